@@ -1,0 +1,115 @@
+"""gradtrace's error kinds and exit codes.
+
+The library raises :class:`GradtraceError` subclasses; only ``cli.py`` turns them
+into messages and exit codes. Anything else that escapes is a gradtrace bug.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Process exit codes, as documented in the README."""
+
+    OK = 0
+    GRADIENT_PROBLEMS = 1
+    USAGE = 2
+    MODEL = 3
+    INTERNAL = 70
+    INTERRUPTED = 130
+
+
+class GradtraceError(Exception):
+    """An error with a message meant for the user.
+
+    Args:
+        message: what went wrong, and where.
+        hint: what to do about it (optional).
+    """
+
+    exit_code = ExitCode.INTERNAL
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def details(self) -> str | None:
+        """Extra text shown under the message (e.g. the user's traceback)."""
+        return None
+
+
+class UsageError(GradtraceError):
+    """Bad command line, target or input spec (exit 2)."""
+
+    exit_code = ExitCode.USAGE
+
+
+class ModelError(GradtraceError):
+    """The model could not be loaded, or it (or its loss) cannot be traced (exit 3)."""
+
+    exit_code = ExitCode.MODEL
+
+
+class UserCodeError(ModelError):
+    """The user's own code raised; carries the exception to show its trimmed traceback.
+
+    Args:
+        phase: what gradtrace was doing ("importing model.py", "forward", ...).
+        exc: the exception the user's code raised.
+        hint: what to check.
+    """
+
+    def __init__(self, phase: str, exc: BaseException, hint: str | None = None):
+        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        super().__init__(f"{phase} raised {summary}", hint)
+        self.phase = phase
+        self.original = exc
+
+    def details(self) -> str | None:
+        frames = user_frames(self.original)
+        if not frames:
+            return None
+        lines = ["Traceback (your code, most recent call last):"]
+        lines += traceback.format_list(frames)
+        lines.append("".join(traceback.format_exception_only(type(self.original), self.original)))
+        return "".join(line if line.endswith("\n") else line + "\n" for line in lines).rstrip()
+
+
+class InternalError(GradtraceError):
+    """A bug in gradtrace itself (exit 70)."""
+
+    exit_code = ExitCode.INTERNAL
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = [_PACKAGE_DIR + os.sep]
+    try:  # torch's own frames are noise in a user's traceback
+        import torch
+
+        dirs.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return tuple(dirs)
+
+
+def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
+    """The frames of ``exc``'s traceback that belong to the user's code.
+
+    Frames inside gradtrace, torch and importlib's bootstrap are dropped; a
+    SyntaxError keeps none (its message already names the file and line).
+    """
+    if isinstance(exc, SyntaxError):
+        return []
+    skip = _library_dirs()
+    return [
+        frame
+        for frame in traceback.extract_tb(exc.__traceback__)
+        if not frame.filename.startswith(skip) and not frame.filename.startswith("<frozen ")
+    ]

@@ -1,0 +1,325 @@
+"""Target resolution: from ``model.py[:NAME]`` or ``package.module:NAME`` to a model, inputs and loss.
+
+The model-file contract (README "Model files"): the file is imported as a module
+(not as ``__main__``) with its own folder importable, and defines ``model`` or
+``build_model()``, optionally ``example_inputs()`` and ``loss_fn(output)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable
+
+from .errors import ModelError, UsageError, UserCodeError
+
+DEFAULT_NAMES = ("model", "build_model")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+@dataclass
+class LoadedTarget:
+    """What a target provides.
+
+    Attributes:
+        target: the target as the user wrote it.
+        model: the model (an ``nn.Module`` or a callable).
+        source: the imported Python module the model came from.
+        example_inputs: the file's ``example_inputs`` (callable or value), if any.
+        loss_fn: the file's ``loss_fn``, if any.
+    """
+
+    target: str
+    model: Any
+    source: ModuleType
+    example_inputs: Any = None
+    loss_fn: Callable[[Any], Any] | None = None
+
+    def inputs(self) -> tuple[tuple, dict] | None:
+        """Call ``example_inputs()`` and split it into ``(args, kwargs)``; None if absent."""
+        if self.example_inputs is None:
+            return None
+        value = self.example_inputs
+        if callable(value):
+            try:
+                value = value()
+            except Exception as exc:
+                raise UserCodeError("example_inputs()", exc) from exc
+        return split_inputs(value, "example_inputs()")
+
+
+def split_inputs(value: Any, source: str) -> tuple[tuple, dict]:
+    """A Tensor is one argument, a tuple/list is positional arguments, a dict is keyword arguments."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return (value,), {}
+    if isinstance(value, (tuple, list)):
+        return tuple(value), {}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return (), dict(value)
+    raise ModelError(
+        f"{source} returned a {type(value).__name__}",
+        hint="return a Tensor, a tuple of positional arguments, or a dict of keyword arguments",
+    )
+
+
+def split_target(target: str) -> tuple[str, str, str | None]:
+    """Split a target into ``(kind, location, name)``; kind is "file" or "module".
+
+    Raises:
+        UsageError: the target is neither ``FILE.py[:NAME]`` nor ``package.module[:NAME]``.
+    """
+    location, name = target, None
+    head, sep, tail = target.rpartition(":")
+    if sep and _IDENTIFIER.match(tail) and head:
+        location, name = head, tail
+    if location.endswith(".py") or os.sep in location or "/" in location:
+        return "file", location, name
+    if _DOTTED.match(location):
+        return "module", location, name
+    raise UsageError(
+        f"cannot read target {target!r}",
+        hint="expected FILE.py, FILE.py:NAME or package.module:NAME",
+    )
+
+
+def _import_file(path: str) -> ModuleType:
+    if not os.path.exists(path):
+        raise UsageError(f"model file not found: {path}", hint="check the path (relative to the current folder)")
+    if os.path.isdir(path):
+        raise UsageError(f"{path} is a folder, not a Python file", hint="name the model file, e.g. model.py")
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    module_name = stem if _IDENTIFIER.match(stem) and stem not in sys.modules else f"gradtrace_target_{abs(hash(path))}"
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"cannot import {path}", hint="the model file must be a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up here
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        sys.modules.pop(module_name, None)
+        where = f"{exc.filename}:{exc.lineno}" if exc.lineno else exc.filename
+        raise ModelError(f"syntax error in {where}: {exc.msg}", hint=(exc.text or "").rstrip() or None) from exc
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise UserCodeError(f"importing {os.path.relpath(path)}", exc) from exc
+    return module
+
+
+def _import_module(dotted: str) -> ModuleType:
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(dotted)
+    except ModuleNotFoundError as exc:
+        if exc.name and dotted.startswith(exc.name):
+            raise ModelError(
+                f"no module named {exc.name!r}",
+                hint="install the package, run from its folder, or name a file: model.py[:NAME]",
+            ) from exc
+        raise UserCodeError(f"importing {dotted}", exc) from exc
+    except Exception as exc:
+        raise UserCodeError(f"importing {dotted}", exc) from exc
+
+
+def _is_factory(value: Any) -> bool:
+    """A class, or a function whose parameters all have defaults."""
+    if inspect.isclass(value):
+        return True
+    if not (inspect.isfunction(value) or inspect.ismethod(value)):
+        return False
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):
+        return False
+    return all(
+        p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        for p in signature.parameters.values()
+    )
+
+
+def resolve_model(value: Any, label: str) -> Any:
+    """Turn a target attribute into a model, calling it when it is a factory."""
+    import torch.nn as nn
+
+    if isinstance(value, nn.Module):
+        return value
+    if not callable(value):
+        raise ModelError(
+            f"{label} is a {type(value).__name__}, not a model",
+            hint="point the target at an nn.Module, a callable, or a factory that returns one",
+        )
+    if not _is_factory(value):
+        return value  # a callable model such as def model(x, y)
+    try:
+        built = value()
+    except Exception as exc:
+        raise UserCodeError(f"{label}()", exc) from exc
+    if not callable(built):
+        raise ModelError(
+            f"{label}() returned a {type(built).__name__}, not a model",
+            hint="a factory must return an nn.Module or a callable",
+        )
+    return built
+
+
+def _model_candidates(module: ModuleType) -> list[str]:
+    """Names in ``module`` that look like models: module instances and classes defined there."""
+    import torch.nn as nn
+
+    found = []
+    for key, value in vars(module).items():
+        if key.startswith("_"):
+            continue
+        defined_here = inspect.isclass(value) and issubclass(value, nn.Module) and value.__module__ == module.__name__
+        if isinstance(value, nn.Module) or defined_here:
+            found.append(key)
+    return found
+
+
+def load_target(target: str) -> LoadedTarget:
+    """Import a target and build its model.
+
+    Raises:
+        UsageError: the target cannot be parsed or the file does not exist.
+        ModelError: the module cannot be imported or does not define a model.
+        UserCodeError: the user's code raised while importing or building.
+    """
+    kind, location, name = split_target(target)
+    if kind == "file":
+        source = _import_file(location)
+        where = os.path.basename(location)
+    else:
+        source = _import_module(location)
+        where = location
+    if name is not None:
+        if not hasattr(source, name):
+            candidates = _model_candidates(source)
+            raise ModelError(
+                f"{where} has no attribute {name!r}",
+                hint=f"models found there: {', '.join(candidates)}" if candidates else None,
+            )
+        chosen = name
+    else:
+        chosen = next((n for n in DEFAULT_NAMES if hasattr(source, n)), None)
+        if chosen is None:
+            candidates = _model_candidates(source)
+            hint = "define `model = ...` or `def build_model(): ...`, or pick one with TARGET:NAME"
+            if candidates:
+                hint += f" (found: {', '.join(candidates)})"
+            raise ModelError(f"{where} defines neither `model` nor `build_model`", hint=hint)
+    model = resolve_model(getattr(source, chosen), f"{where}:{chosen}")
+    loss_fn = getattr(source, "loss_fn", None)
+    if loss_fn is not None and not callable(loss_fn):
+        raise ModelError(f"{where}: loss_fn is a {type(loss_fn).__name__}, not a function")
+    return LoadedTarget(
+        target=target,
+        model=model,
+        source=source,
+        example_inputs=getattr(source, "example_inputs", None),
+        loss_fn=loss_fn,
+    )
+
+
+@dataclass
+class PreparedRun:
+    """A loaded model with its inputs, ready for ``trace()``."""
+
+    loaded: LoadedTarget
+    args: tuple
+    kwargs: dict
+
+
+def parse_device(device: str) -> Any:
+    """Validate ``--device``; CUDA must be available when asked for."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(f"invalid device {device!r}", hint="e.g. cpu, cuda, cuda:1") from exc
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {device!r} was asked for, but CUDA is not available here", hint="use --device cpu")
+    return parsed
+
+
+def move_model(model: Any, device: Any) -> None:
+    """Move a model (or a plain callable's top-level modules) to ``device``."""
+    from .tracing import named_modules_of
+
+    for name, module in named_modules_of(model):
+        if "." not in name:
+            module.to(device)
+
+
+def prepare_run(
+    target: str,
+    *,
+    input_specs: list[str] | None = None,
+    inputs_file: str | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+) -> PreparedRun:
+    """Seed, load the target, move it to the device and build its inputs.
+
+    Inputs come from ``--input`` specs, else ``--inputs FILE``, else the file's
+    ``example_inputs()``. The seed is set before the model is built and again
+    before the inputs are, so inputs do not depend on how the model was built.
+
+    Raises:
+        UsageError: bad device, spec or inputs file; no inputs anywhere.
+        ModelError: the target cannot be loaded.
+    """
+    import torch
+
+    from .inputs import build_inputs, load_inputs_file
+
+    torch_device = parse_device(device)
+    torch.manual_seed(seed)
+    loaded = load_target(target)
+    move_model(loaded.model, torch_device)
+    torch.manual_seed(seed)
+    if input_specs and inputs_file:
+        raise UsageError("use either --input specs or --inputs FILE, not both")
+    if input_specs:
+        args, kwargs = build_inputs(input_specs, device=torch_device)
+    elif inputs_file:
+        args, kwargs = load_inputs_file(inputs_file, device=torch_device)
+    else:
+        found = loaded.inputs()
+        if found is None:
+            raise UsageError(
+                f"no inputs for {target}",
+                hint="pass input specs, e.g. -i 'float32[8,16]', or define example_inputs() in the model file",
+            )
+        args, kwargs = _to_device(found, torch_device)
+    return PreparedRun(loaded, args, kwargs)
+
+
+def _to_device(inputs: tuple[tuple, dict], device: Any) -> tuple[tuple, dict]:
+    import torch
+
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+            return type(value)(move(v) for v in value)
+        if isinstance(value, dict):
+            return {k: move(v) for k, v in value.items()}
+        return value
+
+    args, kwargs = inputs
+    return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}

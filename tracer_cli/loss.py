@@ -1,0 +1,104 @@
+"""The loss rule: how a model's output becomes the scalar that backward starts from."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from .errors import ModelError, UsageError, UserCodeError
+
+REDUCTIONS = ("sum", "mean")
+
+
+def floating_outputs(output: Any, path: str = "output") -> list[tuple[str, Any]]:
+    """Every real floating-point tensor in a (nested) model output, with its path.
+
+    Walks tensors, tuples/lists, mappings (dicts, Hugging Face ``ModelOutput``)
+    and dataclasses.
+    """
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return [(path, output)] if output.is_floating_point() else []
+    if isinstance(output, Mapping):
+        items = [(f"{path}[{key!r}]", value) for key, value in output.items()]
+    elif isinstance(output, (tuple, list)):
+        items = [(f"{path}[{index}]", value) for index, value in enumerate(output)]
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        items = [(f"{path}.{f.name}", getattr(output, f.name)) for f in dataclasses.fields(output)]
+    else:
+        return []
+    found: list[tuple[str, Any]] = []
+    for item_path, value in items:
+        found.extend(floating_outputs(value, item_path))
+    return found
+
+
+def _as_scalar(loss: Any, source: str) -> Any:
+    import torch
+
+    if not isinstance(loss, torch.Tensor):
+        raise ModelError(
+            f"{source} is a {type(loss).__name__}, not a tensor",
+            hint="return a scalar tensor from loss_fn, or let gradtrace reduce the output",
+        )
+    if loss.numel() != 1:
+        raise ModelError(
+            f"{source} has shape {tuple(loss.shape)}; a loss must be a single value",
+            hint="reduce it in loss_fn (e.g. .mean()), or pass --loss sum/mean without a loss_fn",
+        )
+    return loss if loss.dim() == 0 else loss.sum()
+
+
+def compute_loss(
+    output: Any, loss_fn: Callable[[Any], Any] | None = None, reduction: str = "sum"
+) -> tuple[Any, str]:
+    """Apply the documented loss rule to a model output.
+
+    Args:
+        output: what the model returned.
+        loss_fn: the user's ``loss_fn(output)``, if any.
+        reduction: "sum" or "mean", for the fallback over floating-point outputs.
+
+    Returns:
+        ``(loss, rule)``: the 0-dim loss tensor and a sentence naming the rule used.
+
+    Raises:
+        ModelError: no loss can be made from the output.
+        UserCodeError: ``loss_fn`` raised.
+    """
+    import torch
+
+    if reduction not in REDUCTIONS:
+        raise UsageError(f"unknown loss reduction {reduction!r}", hint="use 'sum' or 'mean'")
+    if loss_fn is not None:
+        try:
+            loss = loss_fn(output)
+        except Exception as exc:
+            raise UserCodeError("loss_fn(output)", exc) from exc
+        return _as_scalar(loss, "loss_fn(output)"), "loss_fn(output)"
+    if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
+        return output, "the output (a scalar)"
+    attribute_loss = getattr(output, "loss", None)
+    if isinstance(attribute_loss, torch.Tensor):
+        return _as_scalar(attribute_loss, "output.loss"), "output.loss"
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return _as_scalar(output["loss"], 'output["loss"]'), 'output["loss"]'
+
+    outputs = floating_outputs(output)
+    with_grad = [(path, t) for path, t in outputs if t.requires_grad]
+    chosen = with_grad or outputs
+    if not chosen:
+        raise ModelError(
+            f"the model returned {type(output).__name__}, which holds no floating-point tensor to "
+            "differentiate",
+            hint="define loss_fn(output) in the model file, or return a tensor",
+        )
+    terms = [t.sum() if reduction == "sum" else t.mean() for _, t in chosen]
+    loss = terms[0]
+    for term in terms[1:]:
+        loss = loss + term
+    paths = ", ".join(path for path, _ in chosen)
+    rule = f"{paths}.{reduction}()" if len(chosen) == 1 else f"sum of .{reduction}() over {paths}"
+    return loss, rule

@@ -1,0 +1,437 @@
+"""The Trace data model: frozen records of plain numbers and strings.
+
+``trace()`` returns a :class:`Trace`; every renderer and check reads it. Nothing
+here imports torch, so a Trace can be loaded from JSON on any machine.
+
+JSON layout (schema ``gradtrace/1``)::
+
+    {"schema": "gradtrace/1", "meta": {...}, "nodes": [...], "summary": {...}}
+
+Non-finite norms are written as the strings "nan", "inf" and "-inf", so the
+document is strict JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Iterator
+
+SCHEMA = "gradtrace/1"
+
+
+def encode_float(value: float | None) -> float | str | None:
+    """A float for strict JSON: non-finite values become "nan", "inf" or "-inf"."""
+    if value is None or math.isfinite(value):
+        return value
+    if math.isnan(value):
+        return "nan"
+    return "inf" if value > 0 else "-inf"
+
+
+def decode_float(value: float | int | str | None) -> float | None:
+    """The inverse of :func:`encode_float`."""
+    if value is None:
+        return None
+    return float(value)
+
+
+@dataclass(frozen=True)
+class GradStat:
+    """Statistics of one gradient tensor.
+
+    Attributes:
+        shape: the tensor's shape.
+        dtype: its dtype without the ``torch.`` prefix, e.g. ``"float32"``.
+        norm: its L2 norm (computed in float32 or wider); ``nan`` when it holds a
+            NaN, ``inf`` when it holds an infinity; ``None`` if it could not be
+            computed (an exotic tensor subclass).
+        layout: ``None`` for ordinary (strided) tensors, else e.g. ``"sparse_coo"``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    norm: float | None
+    layout: str | None = None
+
+    @property
+    def finite(self) -> bool | None:
+        """Whether every element is finite (``None`` when the norm is unknown)."""
+        return None if self.norm is None else math.isfinite(self.norm)
+
+    @property
+    def nonfinite_kind(self) -> str | None:
+        """``"nan"``, ``"inf"`` or ``None``."""
+        if self.norm is None or math.isfinite(self.norm):
+            return None
+        return "nan" if math.isnan(self.norm) else "inf"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "norm": encode_float(self.norm),
+            "finite": self.finite,
+        }
+        if self.layout is not None:
+            out["layout"] = self.layout
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GradStat:
+        return cls(
+            shape=tuple(data["shape"]),
+            dtype=data["dtype"],
+            norm=decode_float(data.get("norm")),
+            layout=data.get("layout"),
+        )
+
+
+GradStats = tuple[GradStat | None, ...]
+
+
+def _stats_to_list(stats: GradStats | None) -> list[dict[str, Any] | None] | None:
+    if stats is None:
+        return None
+    return [None if s is None else s.to_dict() for s in stats]
+
+
+def _stats_from_list(data: list[dict[str, Any] | None] | None) -> GradStats | None:
+    if data is None:
+        return None
+    return tuple(None if s is None else GradStat.from_dict(s) for s in data)
+
+
+@dataclass(frozen=True)
+class NodeCall:
+    """One run of a node that ran more than once in one backward."""
+
+    order: int
+    grad_inputs: GradStats
+    grad_outputs: GradStats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "order": self.order,
+            "grad_inputs": _stats_to_list(self.grad_inputs),
+            "grad_outputs": _stats_to_list(self.grad_outputs),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> NodeCall:
+        return cls(
+            order=data["order"],
+            grad_inputs=_stats_from_list(data["grad_inputs"]) or (),
+            grad_outputs=_stats_from_list(data["grad_outputs"]) or (),
+        )
+
+
+@dataclass(frozen=True)
+class Node:
+    """One autograd graph node and what its hook saw.
+
+    ``grad_inputs`` are the gradients the node *sends on*, one per differentiable
+    input of the forward op; ``grad_outputs`` are the gradients *arriving* at it,
+    one per output of the forward op (PyTorch's ``Node.register_hook`` naming).
+    ``None` entries are where PyTorch passed ``None``.
+
+    Attributes:
+        id: dense index, 0 is the loss's ``grad_fn``.
+        name: ``grad_fn.name()``, e.g. ``"MulBackward0"``.
+        module: dotted path of the innermost module whose forward created the
+            node; ``""`` is the root module, ``None`` is outside any module.
+        param: for AccumulateGrad, the parameter name (``"fc1.weight"``) or the
+            input (``"input:0"``, ``"input:x"``); else ``None``.
+        order: position in backward execution order (first run); ``None`` if it
+            never ran.
+        next: ids of ``next_functions``; ``None`` where there is no function.
+        grad_inputs / grad_outputs: statistics of the first run, or for a node
+            that ran several times, see ``calls``; ``None`` if it never ran.
+        created: position in creation (forward) order; ``None`` for leaves.
+        created_in: id of the node whose backward created this node (reentrant
+            checkpointing recomputes its forward during backward); else ``None``.
+        calls: every run, when the node ran more than once in one backward.
+    """
+
+    id: int
+    name: str
+    module: str | None
+    param: str | None
+    order: int | None
+    next: tuple[int | None, ...]
+    grad_inputs: GradStats | None
+    grad_outputs: GradStats | None
+    created: int | None = None
+    created_in: int | None = None
+    calls: tuple[NodeCall, ...] = ()
+
+    @property
+    def runs(self) -> int:
+        if self.calls:
+            return len(self.calls)
+        return 0 if self.order is None else 1
+
+    @property
+    def executed(self) -> bool:
+        return self.order is not None
+
+    @property
+    def is_leaf(self) -> bool:
+        """An AccumulateGrad node: where a parameter's or input's gradient lands."""
+        return self.name.endswith("AccumulateGrad")
+
+    def stats(self) -> Iterator[tuple[str, int, GradStat]]:
+        """Every recorded statistic as ``(side, index, stat)``; side is "in" or "out"."""
+        for side, stats in (("in", self.grad_inputs), ("out", self.grad_outputs)):
+            for index, stat in enumerate(stats or ()):
+                if stat is not None:
+                    yield side, index, stat
+        for call in self.calls[1:]:
+            for side, stats in (("in", call.grad_inputs), ("out", call.grad_outputs)):
+                for index, stat in enumerate(stats):
+                    if stat is not None:
+                        yield side, index, stat
+
+    @property
+    def nonfinite_kind(self) -> str | None:
+        """``"nan"`` if any gradient holds a NaN, else ``"inf"`` if any holds an infinity."""
+        kinds = {stat.nonfinite_kind for _, _, stat in self.stats()}
+        if "nan" in kinds:
+            return "nan"
+        return "inf" if "inf" in kinds else None
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The norm that best describes the node: a leaf's gradient, else what it received."""
+        stats = [s for s in (self.grad_outputs or ()) if s is not None and s.norm is not None]
+        if not stats:
+            return None
+        return math.sqrt(sum(s.norm**2 for s in stats)) if len(stats) > 1 else stats[0].norm
+
+    def label(self) -> str:
+        """``name`` with the parameter or module, for messages."""
+        if self.param is not None:
+            return f"{self.name} ({self.param})"
+        if self.module is not None:
+            return f"{self.name} in {self.module or '<root>'}"
+        return self.name
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "name": self.name,
+            "module": self.module,
+            "param": self.param,
+            "order": self.order,
+            "next": list(self.next),
+            "grad_inputs": _stats_to_list(self.grad_inputs),
+            "grad_outputs": _stats_to_list(self.grad_outputs),
+            "created": self.created,
+        }
+        if self.created_in is not None:
+            out["created_in"] = self.created_in
+        if self.calls:
+            out["runs"] = self.runs
+            out["calls"] = [call.to_dict() for call in self.calls]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Node:
+        return cls(
+            id=data["id"],
+            name=data["name"],
+            module=data.get("module"),
+            param=data.get("param"),
+            order=data.get("order"),
+            next=tuple(data.get("next", ())),
+            grad_inputs=_stats_from_list(data.get("grad_inputs")),
+            grad_outputs=_stats_from_list(data.get("grad_outputs")),
+            created=data.get("created"),
+            created_in=data.get("created_in"),
+            calls=tuple(NodeCall.from_dict(c) for c in data.get("calls", ())),
+        )
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    """One input the model was called with."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class Meta:
+    """How the trace was made."""
+
+    target: str
+    torch: str
+    device: str
+    loss: float | None
+    loss_rule: str
+    inputs: tuple[InputInfo, ...] = ()
+    timings_s: dict[str, float] = field(default_factory=dict)
+    seed: int | None = None
+    rank: int = 0
+    world_size: int = 1
+    training: bool | None = None
+    module_types: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "torch": self.torch,
+            "device": self.device,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "seed": self.seed,
+            "training": self.training,
+            "loss": encode_float(self.loss),
+            "loss_rule": self.loss_rule,
+            "inputs": [i.to_dict() for i in self.inputs],
+            "timings_s": dict(self.timings_s),
+            "module_types": dict(self.module_types),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Meta:
+        return cls(
+            target=data["target"],
+            torch=data["torch"],
+            device=data["device"],
+            loss=decode_float(data.get("loss")),
+            loss_rule=data["loss_rule"],
+            inputs=tuple(
+                InputInfo(i["name"], tuple(i["shape"]), i["dtype"]) for i in data.get("inputs", ())
+            ),
+            timings_s=dict(data.get("timings_s", {})),
+            seed=data.get("seed"),
+            rank=data.get("rank", 0),
+            world_size=data.get("world_size", 1),
+            training=data.get("training"),
+            module_types=dict(data.get("module_types", {})),
+        )
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Everything one traced forward+backward produced.
+
+    Attributes:
+        meta: how the trace was made.
+        nodes: every node reachable from the loss (and any created during backward),
+            indexed by ``id``.
+        params_without_grad: parameters that require grad but received none.
+    """
+
+    meta: Meta
+    nodes: tuple[Node, ...]
+    params_without_grad: tuple[str, ...] = ()
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __getitem__(self, node_id: int) -> Node:
+        return self.nodes[node_id]
+
+    def executed(self) -> list[Node]:
+        """The nodes that ran, in execution order."""
+        return sorted((n for n in self.nodes if n.order is not None), key=lambda n: n.order)
+
+    def find(self, name: str | None = None, *, module: str | None = None, param: str | None = None) -> list[Node]:
+        """Nodes matching every criterion given (exact matches)."""
+        return [
+            n
+            for n in self.nodes
+            if (name is None or n.name == name)
+            and (module is None or n.module == module)
+            and (param is None or n.param == param)
+        ]
+
+    def leaf(self, param: str) -> Node:
+        """The AccumulateGrad node of a parameter or input (``"fc1.weight"``, ``"input:0"``)."""
+        for node in self.nodes:
+            if node.param == param:
+                return node
+        raise KeyError(param)
+
+    def nonfinite_nodes(self) -> list[Node]:
+        """Nodes with a NaN or infinite gradient, in execution order."""
+        return [n for n in self.executed() if n.nonfinite_kind is not None]
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON ``summary`` block, derived from the nodes."""
+        executed = self.executed()
+        nonfinite = self.nonfinite_nodes()
+        norms = [
+            (stat.norm, node)
+            for node in executed
+            for _, _, stat in node.stats()
+            if stat.norm is not None and math.isfinite(stat.norm)
+        ]
+        leaves = [n for n in executed if n.is_leaf and n.param is not None and not n.param.startswith("input:")]
+        leaf_norms = [n.grad_norm for n in leaves if n.grad_norm is not None]
+        total = math.sqrt(sum(v * v for v in leaf_norms)) if leaf_norms else None
+
+        def brief(node: Node, **extra: Any) -> dict[str, Any]:
+            return {"id": node.id, "name": node.name, "module": node.module, "param": node.param, **extra}
+
+        largest = max(norms, key=lambda item: item[0], default=None)
+        nonzero = [item for item in norms if item[0] > 0]
+        smallest = min(nonzero, key=lambda item: item[0], default=None)
+        return {
+            "nodes": len(self.nodes),
+            "executed": len(executed),
+            "nonfinite_nodes": len(nonfinite),
+            "first_nonfinite": brief(nonfinite[0], kind=nonfinite[0].nonfinite_kind) if nonfinite else None,
+            "nonfinite": [brief(n, kind=n.nonfinite_kind) for n in nonfinite],
+            "param_grad_norm_total": encode_float(total),
+            "largest_grad": brief(largest[1], norm=largest[0]) if largest else None,
+            "smallest_nonzero_grad": brief(smallest[1], norm=smallest[0]) if smallest else None,
+            "params_without_grad": list(self.params_without_grad),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The versioned JSON document (strict JSON once dumped)."""
+        return {
+            "schema": SCHEMA,
+            "meta": self.meta.to_dict(),
+            "nodes": [n.to_dict() for n in self.nodes],
+            "summary": self.summary(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trace:
+        """Read a document written by :meth:`to_dict`.
+
+        Raises:
+            ValueError: the document is not a ``gradtrace/1`` trace.
+        """
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"not a {SCHEMA} trace (schema: {found!r})")
+        return cls(
+            meta=Meta.from_dict(data["meta"]),
+            nodes=tuple(Node.from_dict(n) for n in data["nodes"]),
+            params_without_grad=tuple(data.get("summary", {}).get("params_without_grad", ())),
+        )
+
+    def with_meta(self, **changes: Any) -> Trace:
+        """A copy with some ``meta`` fields replaced (e.g. ``rank``)."""
+        return replace(self, meta=replace(self.meta, **changes))
+
+
+def iter_stats(stats: Iterable[GradStat | None] | None) -> Iterator[GradStat]:
+    """The non-None entries of a grad_inputs / grad_outputs tuple."""
+    return (s for s in (stats or ()) if s is not None)

@@ -1,0 +1,1 @@
+"""Renderers: pure functions of a Trace (terminal tree, JSON)."""

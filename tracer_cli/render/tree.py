@@ -1,0 +1,412 @@
+"""The terminal view of a Trace: a Rich tree (by module or by graph), a legend and a summary.
+
+Pure functions of a Trace that return Rich renderables; printing is the caller's job.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from ..records import GradStat, Node, Trace
+
+VIEWS = ("modules", "graph")
+DEFAULT_MAX_NODES = 200
+OUTSIDE = "(outside any module)"
+LEGEND = (
+    "grad_in: the gradients a node sends on, one per input of its forward op · "
+    "grad_out: the gradients arriving at it, one per output · "
+    "‖x‖ L2 norm · – no gradient (None) · AccumulateGrad: where a parameter's or input's gradient lands"
+)
+
+_NONFINITE = "bold red"
+_LARGE = "bold yellow"
+_ZERO = "dim"
+
+
+@dataclass(frozen=True)
+class TreeOptions:
+    """What the tree shows.
+
+    Attributes:
+        view: "modules" (nodes grouped under the module tree) or "graph" (the
+            backward graph from the loss).
+        max_nodes: at most this many node lines; None shows all.
+        depth: module (or graph branch) nesting shown; deeper levels are summarised.
+        pattern: a regular expression; only nodes whose name, module or parameter
+            match are shown.
+    """
+
+    view: str = "modules"
+    max_nodes: int | None = DEFAULT_MAX_NODES
+    depth: int | None = None
+    pattern: str | None = None
+
+
+def short_name(name: str) -> str:
+    """``torch::autograd::AccumulateGrad`` → ``AccumulateGrad``."""
+    return name.rsplit("::", 1)[-1]
+
+
+def format_norm(norm: float | None) -> str:
+    if norm is None:
+        return "?"
+    if math.isnan(norm):
+        return "nan"
+    if math.isinf(norm):
+        return "inf" if norm > 0 else "-inf"
+    return f"{norm:.2e}"
+
+
+class _Styler:
+    """Picks the style of a norm: non-finite red, zero dim, the largest highlighted."""
+
+    def __init__(self, trace: Trace, top: int = 3):
+        norms = sorted(
+            {
+                stat.norm
+                for node in trace.nodes
+                for _, _, stat in node.stats()
+                if stat.norm is not None and math.isfinite(stat.norm) and stat.norm > 0
+            },
+            reverse=True,
+        )
+        self.large = norms[min(top, len(norms)) - 1] if len(norms) > top else math.inf
+
+    def style(self, stat: GradStat) -> str:
+        if stat.norm is None:
+            return ""
+        if not math.isfinite(stat.norm):
+            return _NONFINITE
+        if stat.norm == 0:
+            return _ZERO
+        return _LARGE if stat.norm >= self.large else ""
+
+
+def _stat_text(stat: GradStat | None, styler: _Styler) -> Text:
+    if stat is None:
+        return Text("–", style="dim")
+    text = Text(f"{tuple(stat.shape)} ", style="")
+    text.append(f"‖{format_norm(stat.norm)}‖", style=styler.style(stat))
+    if stat.dtype != "float32":
+        text.append(f" {stat.dtype}", style="magenta")
+    if stat.layout is not None:
+        text.append(f" {stat.layout}", style="magenta")
+    return text
+
+
+def _stats_text(label: str, stats: Iterable[GradStat | None], styler: _Styler) -> Text:
+    text = Text(f"  {label} ", style="dim")
+    for index, stat in enumerate(stats):
+        if index:
+            text.append(", ", style="dim")
+        text.append_text(_stat_text(stat, styler))
+    return text
+
+
+def node_line(node: Node, styler: _Styler, *, show_module: bool) -> Text:
+    """One node: id, name, parameter or module, grad_in and grad_out."""
+    kind = node.nonfinite_kind
+    text = Text(f"#{node.id} ", style="dim")
+    text.append(short_name(node.name), style=_NONFINITE if kind else "bold")
+    if node.param is not None:
+        text.append(f" {node.param}", style="cyan")
+    elif node.is_leaf:
+        text.append(" (leaf)", style="cyan")
+    if show_module and node.module is not None:
+        text.append(f" [{node.module or '<root>'}]", style="blue")
+    if node.order is None:
+        text.append("  did not run", style="dim italic")
+        return text
+    if not node.is_leaf or node.grad_inputs:
+        text.append_text(_stats_text("grad_in", node.grad_inputs or (), styler))
+    text.append_text(_stats_text("grad_out" if not node.is_leaf else "grad", node.grad_outputs or (), styler))
+    if node.runs > 1:
+        total = " (total)" if node.is_leaf else " (first run)"
+        text.append(f"  ran {node.runs}×{total}", style="yellow")
+    if node.created_in is not None:
+        text.append(f"  recomputed in backward of #{node.created_in}", style="dim")
+    if node.name == "CompiledFunctionBackward":
+        text.append(
+            "  torch.compile region: its ops are fused into this node; TORCH_COMPILE_DISABLE=1 shows them",
+            style="italic",
+        )
+    if kind:
+        text.append(f"  ← {kind}", style=_NONFINITE)
+    return text
+
+
+class _Budget:
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.shown = 0
+        self.hidden = 0
+
+    def take(self) -> bool:
+        if self.limit is not None and self.shown >= self.limit:
+            self.hidden += 1
+            return False
+        self.shown += 1
+        return True
+
+
+def _matcher(pattern: str | None):
+    if pattern is None:
+        return lambda node: True
+    regex = re.compile(pattern)
+    return lambda node: any(
+        value is not None and regex.search(value) for value in (node.name, node.module, node.param)
+    )
+
+
+def _execution_key(node: Node) -> tuple[int, int]:
+    return (0, node.order) if node.order is not None else (1, node.id)
+
+
+def _module_depth(path: str) -> int:
+    return 0 if path == "" else path.count(".") + 1
+
+
+def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Budget) -> Tree:
+    matches = _matcher(options.pattern)
+    by_module: dict[str | None, list[Node]] = defaultdict(list)
+    for node in sorted(trace.nodes, key=_execution_key):
+        if matches(node):
+            by_module[node.module].append(node)
+    known = list(trace.meta.module_types)
+    has_root = "" in trace.meta.module_types
+
+    def parent_of(path: str) -> str | None:
+        if path == "":
+            return None
+        if "." in path:
+            return path.rpartition(".")[0]
+        return "" if has_root else None  # a plain callable's modules are top-level
+
+    paths: set[str] = set()
+    for module in by_module:
+        while module is not None and module not in paths:
+            paths.add(module)
+            module = parent_of(module)
+    ordered = [p for p in known if p in paths] + sorted(paths.difference(known))
+    children: dict[str | None, list[str]] = defaultdict(list)
+    for path in ordered:
+        if path != "":
+            children[parent_of(path)].append(path)
+
+    root = Tree(Text(trace.meta.target, style="bold"), guide_style="dim")
+    if by_module.get(None):
+        group = root.add(Text(OUTSIDE, style="blue"))
+        for node in by_module[None]:
+            if budget.take():
+                group.add(node_line(node, styler, show_module=False))
+
+    def count(path: str) -> list[Node]:
+        found = list(by_module.get(path, ()))
+        for child in children.get(path, ()):
+            found += count(child)
+        return found
+
+    def add_module(parent: Tree, path: str) -> None:
+        kind = trace.meta.module_types.get(path)
+        label = Text(path.rpartition(".")[2] if path else "<root>", style="bold blue")
+        if kind:
+            label.append(f" ({kind})", style="blue")
+        branch = parent.add(label)
+        if options.depth is not None and _module_depth(path) >= options.depth and children.get(path):
+            own = by_module.get(path, [])
+            deeper = count(path)[len(own):]
+            for node in own:
+                if budget.take():
+                    branch.add(node_line(node, styler, show_module=False))
+            _summarise(branch, deeper)
+            return
+        for node in by_module.get(path, ()):
+            if budget.take():
+                branch.add(node_line(node, styler, show_module=False))
+        for child in children.get(path, ()):
+            add_module(branch, child)
+
+    tops = [""] if "" in paths else children.get(None, [])
+    for top in tops:
+        add_module(root, top)
+    return root
+
+
+def _summarise(branch: Tree, nodes: list[Node]) -> None:
+    if not nodes:
+        return
+    norms = [n.grad_norm for n in nodes if n.grad_norm is not None and math.isfinite(n.grad_norm)]
+    bad = sum(1 for n in nodes if n.nonfinite_kind)
+    text = Text(f"… {len(nodes)} nodes in submodules", style="dim")
+    if norms:
+        text.append(f", largest grad_out ‖{format_norm(max(norms))}‖", style="dim")
+    if bad:
+        text.append(f", {bad} non-finite", style=_NONFINITE)
+    text.append(" (raise --depth to see them)", style="dim")
+    branch.add(text)
+
+
+def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Budget) -> Tree:
+    root = Tree(Text(trace.meta.target, style="bold"), guide_style="dim")
+    if options.pattern is not None:  # a filtered graph has no shape left: list the matches in execution order
+        matches = _matcher(options.pattern)
+        for node in sorted(trace.nodes, key=_execution_key):
+            if matches(node) and budget.take():
+                root.add(node_line(node, styler, show_module=True))
+        return root
+    nodes = trace.nodes
+    visited: set[int] = set()
+    branch_of: dict[int, Tree] = {}
+
+    def walk(container: Tree, start: int, level: int) -> None:
+        pending = [(container, start, level)]
+        while pending:
+            parent, node_id, depth = pending.pop()
+            if node_id in visited:
+                parent.add(Text(f"↑ #{node_id} {short_name(nodes[node_id].name)} (shown above)", style="dim"))
+                continue
+            if options.depth is not None and depth > options.depth:
+                below = _reachable_unvisited(nodes, node_id, visited)
+                visited.update(below)
+                budget.hidden += len(below)
+                parent.add(Text(f"… {len(below)} nodes below (raise --depth to see them)", style="dim"))
+                continue
+            visited.add(node_id)
+            label = node_line(nodes[node_id], styler, show_module=True) if budget.take() else Text("…", style="dim")
+            branch = parent.add(label)
+            branch_of[node_id] = branch
+            current = node_id
+            while True:
+                kids = list(dict.fromkeys(c for c in nodes[current].next if c is not None))
+                fresh = [c for c in kids if c not in visited]
+                for seen in (c for c in kids if c in visited):
+                    branch.add(Text(f"↑ #{seen} {short_name(nodes[seen].name)} (shown above)", style="dim"))
+                if len(fresh) == 1:  # a straight chain stays on one level
+                    current = fresh[0]
+                    visited.add(current)
+                    branch_of[current] = branch
+                    if budget.take():
+                        branch.add(node_line(nodes[current], styler, show_module=True))
+                    continue
+                pending.extend((branch, child, depth + 1) for child in reversed(fresh))
+                break
+
+    if nodes:
+        walk(root, 0, 0)
+    for node in nodes:  # nodes created during backward hang under the node that created them
+        if node.id not in visited and node.created_in is not None and node.created_in in branch_of:
+            group = branch_of[node.created_in].add(Text(f"created during backward of #{node.created_in}", style="dim"))
+            walk(group, node.id, 1)
+    for node in nodes:
+        if node.id not in visited:
+            walk(root, node.id, 0)
+    return root
+
+
+def _reachable_unvisited(nodes: tuple[Node, ...], start: int, visited: set[int]) -> set[int]:
+    found: set[int] = set()
+    stack = [start]
+    while stack:
+        node_id = stack.pop()
+        if node_id in found or node_id in visited:
+            continue
+        found.add(node_id)
+        stack.extend(c for c in nodes[node_id].next if c is not None)
+    return found
+
+
+def render_tree(trace: Trace, options: TreeOptions | None = None) -> tuple[Tree, int]:
+    """The node tree and how many node lines were left out by the bound.
+
+    Raises:
+        ValueError: unknown view, or a pattern that is not a regular expression.
+    """
+    options = options or TreeOptions()
+    if options.view not in VIEWS:
+        raise ValueError(f"unknown view {options.view!r}; expected one of {', '.join(VIEWS)}")
+    styler = _Styler(trace)
+    budget = _Budget(options.max_nodes)
+    build = _module_tree if options.view == "modules" else _graph_tree
+    return build(trace, options, styler, budget), budget.hidden
+
+
+def render_summary(trace: Trace) -> Table:
+    """The summary block: counts, loss, non-finite nodes, extremes, parameters without gradient, times."""
+    summary = trace.summary()
+    meta = trace.meta
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("nodes", f"{summary['nodes']} traced, {summary['executed']} ran")
+    loss = Text(format_norm(meta.loss) if meta.loss is not None and not math.isfinite(meta.loss) else f"{meta.loss:.6g}")
+    if meta.loss is not None and not math.isfinite(meta.loss):
+        loss.stylize(_NONFINITE)
+    loss.append(f"  ({meta.loss_rule})", style="dim")
+    table.add_row("loss", loss)
+    nonfinite = trace.nonfinite_nodes()
+    if nonfinite:
+        first = nonfinite[0]
+        text = Text(f"{len(nonfinite)} nodes; first in execution order: ", style=_NONFINITE)
+        text.append(f"#{first.id} {short_name(first.name)}", style=_NONFINITE)
+        text.append(f" {_where(first)} ({first.nonfinite_kind})", style=_NONFINITE)
+        table.add_row("non-finite", text)
+    else:
+        table.add_row("non-finite", Text("none", style="green"))
+    for key, title in (("largest_grad", "largest grad"), ("smallest_nonzero_grad", "smallest grad")):
+        entry = summary[key]
+        if entry is not None:
+            node = trace.nodes[entry["id"]]
+            table.add_row(title, f"‖{format_norm(entry['norm'])}‖  #{node.id} {short_name(node.name)} {_where(node)}")
+    if summary["param_grad_norm_total"] is not None:
+        table.add_row("params ‖grad‖", format_norm(float(summary["param_grad_norm_total"])))
+    if trace.params_without_grad:
+        names = list(trace.params_without_grad)
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        table.add_row("no gradient", Text(f"{shown}  (parameters that require grad but received none)", style="yellow"))
+    if meta.timings_s:
+        t = meta.timings_s
+        table.add_row(
+            "time",
+            f"forward {t.get('forward', 0):.3f} s · backward {t.get('backward', 0):.3f} s · total {t.get('total', 0):.3f} s",
+        )
+    return table
+
+
+def _where(node: Node) -> str:
+    if node.param is not None:
+        return node.param
+    if node.module is None:
+        return "(outside any module)"
+    return f"in {node.module or '<root>'}"
+
+
+def render_trace(trace: Trace, options: TreeOptions | None = None) -> RenderableType:
+    """Header, node tree, the omitted-lines note, the legend and the summary."""
+    options = options or TreeOptions()
+    meta = trace.meta
+    header = Text("gradtrace ", style="bold")
+    header.append(f"{meta.target} · torch {meta.torch} · {meta.device}", style="dim")
+    if meta.world_size > 1:
+        header.append(f" · rank {meta.rank}/{meta.world_size}", style="dim")
+    view_title = "by module, execution order within each" if options.view == "modules" else "backward graph from the loss"
+    header.append(f"\nbackward nodes {view_title}", style="dim")
+    tree, hidden = render_tree(trace, options)
+    parts: list[RenderableType] = [header, tree]
+    if hidden:
+        parts.append(
+            Text(
+                f"… {hidden} more node lines not shown: --max-nodes N, --depth N, --filter REGEX or --all",
+                style="yellow",
+            )
+        )
+    parts += [Text(LEGEND, style="dim"), Text(""), render_summary(trace)]
+    return Group(*parts)

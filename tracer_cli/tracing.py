@@ -1,0 +1,617 @@
+"""trace(): one forward and backward with a hook on every autograd graph node.
+
+How it works (see AUTOGRAD_FACTS.md for the measurements behind each choice):
+
+* Attribution. Module forward pre/post hooks record, at every module boundary,
+  the autograd sequence number about to be assigned. A node created in forward
+  belongs to the innermost module active when its ``_sequence_nr()`` was taken,
+  which a binary search over those boundaries finds. This also places nodes made
+  inside an op (``TBackward0`` of ``F.linear``) and custom Function nodes.
+* Hooks. After forward, the graph is walked from the loss and a post-hook is put
+  on every node. Hooks record shapes and dtypes, and queue each gradient's norm
+  as a tensor on the gradient's device; all norms are read back in one transfer
+  at the end, so there is no host sync per node.
+* Nodes created during backward. Only Python code can create nodes while backward
+  runs: a custom Function's backward (reentrant checkpointing recomputes its
+  forward there). While such a node runs, a TorchFunctionMode hooks the nodes its
+  ops create; they carry ``created_in``.
+* Cleanup. Every hook is removed, each parameter's ``.grad`` and every module's
+  training flag are restored in ``finally``, also when the user's code raises.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Any, Callable, Iterable, NamedTuple
+
+from .errors import InternalError, ModelError, UserCodeError
+from .loss import compute_loss
+from .records import GradStat, InputInfo, Meta, Node, NodeCall, Trace
+
+# One queued statistic: (shape, dtype, layout, index into the norm queue or None).
+_PendingStat = tuple
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def named_modules_of(model: Any) -> list[tuple[str, Any]]:
+    """The modules a model is made of, with their dotted names.
+
+    An ``nn.Module`` is the root ``""``. A plain callable's modules are found
+    where its code can reach them: a bound method's ``self``, the attributes of a
+    callable object, closure cells, and the module-level globals of the file that
+    defines the function (each named by its variable).
+    """
+    import torch.nn as nn
+
+    if isinstance(model, nn.Module):
+        return list(model.named_modules())
+    owner = getattr(model, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return list(owner.named_modules())
+    function = getattr(model, "__func__", model)
+    candidates: list[tuple[str, Any]] = []
+    if not hasattr(function, "__code__") and hasattr(model, "__dict__"):
+        candidates += list(vars(model).items())  # a callable object
+    code = getattr(function, "__code__", None)
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(function, "__closure__", None) or ()):
+        try:
+            candidates.append((name, cell.cell_contents))
+        except ValueError:  # an empty cell
+            pass
+    candidates += list((getattr(function, "__globals__", None) or {}).items())
+    seen: set[int] = set()
+    found: list[tuple[str, Any]] = []
+    for root_name, root in candidates:
+        if not isinstance(root, nn.Module) or root_name.startswith("__"):
+            continue
+        for sub_name, module in root.named_modules():
+            if id(module) not in seen:
+                seen.add(id(module))
+                found.append((f"{root_name}.{sub_name}" if sub_name else root_name, module))
+    return found
+
+
+class _Leaf(NamedTuple):
+    name: str
+    tensor: Any
+    module: str | None
+
+
+def _named_leaves(model: Any, modules: list[tuple[str, Any]]) -> dict[int, _Leaf]:
+    """``id(tensor) -> _Leaf`` for every parameter of the model.
+
+    A plain callable's module-level leaf tensors that require grad count too,
+    named by variable and owned by no module.
+    """
+    import torch
+
+    leaves: dict[int, _Leaf] = {}
+    for module_name, module in modules:
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) not in leaves:
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                leaves[id(param)] = _Leaf(name, param, module_name)
+    function = getattr(model, "__func__", model)
+    for name, value in (getattr(function, "__globals__", None) or {}).items():
+        if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf and id(value) not in leaves:
+            leaves[id(value)] = _Leaf(name, value, None)
+    return leaves
+
+
+def _prepare_inputs(args: tuple, kwargs: dict, input_grad: bool) -> tuple[tuple, dict, dict[int, str], list[InputInfo]]:
+    """Give floating-point input tensors ``requires_grad`` (as new aliases) and name them."""
+    import torch
+
+    names: dict[int, str] = {}
+    infos: list[InputInfo] = []
+
+    def prepare(value: Any, name: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            if input_grad and value.is_leaf and not value.requires_grad and (value.is_floating_point() or value.is_complex()):
+                value = value.detach().requires_grad_()
+            names[id(value)] = name
+            infos.append(InputInfo(name, tuple(value.shape), _dtype_name(value.dtype)))
+            return value
+        if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+            return type(value)(prepare(item, f"{name}.{i}") for i, item in enumerate(value))
+        if isinstance(value, dict):
+            return {key: prepare(item, f"{name}.{key}") for key, item in value.items()}
+        return value
+
+    new_args = tuple(prepare(value, f"input:{i}") for i, value in enumerate(args))
+    new_kwargs = {key: prepare(value, f"input:{key}") for key, value in kwargs.items()}
+    return new_args, new_kwargs, names, infos
+
+
+class _ModuleTracker:
+    """Module forward hooks: the active-module stack and the sequence-number boundaries."""
+
+    def __init__(self, modules: list[tuple[str, Any]]):
+        self._modules = modules
+        self._local = threading.local()
+        self._handles: list[Any] = []
+        self._record_thread: int | None = None
+        self.bound_seqs: list[int] = []
+        self.bound_modules: list[str | None] = []
+
+    def _stack(self) -> list[str]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def current(self) -> str | None:
+        """The innermost module running in this thread, or None."""
+        stack = self._stack()
+        return stack[-1] if stack else None
+
+    def _mark(self) -> None:
+        if threading.get_ident() == self._record_thread:
+            import torch
+
+            self.bound_seqs.append(torch._C._autograd._get_sequence_nr())
+            self.bound_modules.append(self.current())
+
+    def install(self) -> None:
+        for name, module in self._modules:
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, name)))
+            self._handles.append(
+                module.register_forward_hook(functools.partial(self._exit, name), always_call=True)
+            )
+
+    def _enter(self, name: str, module: Any, args: Any) -> None:
+        self._stack().append(name)
+        self._mark()
+
+    def _exit(self, name: str, module: Any, args: Any, output: Any) -> None:
+        stack = self._stack()
+        # Pairs are guaranteed by always_call; search anyway so one odd exit cannot shift the rest.
+        for position in range(len(stack) - 1, -1, -1):
+            if stack[position] == name:
+                del stack[position:]
+                break
+        self._mark()
+
+    def start_recording(self) -> None:
+        self._record_thread = threading.get_ident()
+        self._mark()
+
+    def stop_recording(self) -> None:
+        self._mark()
+        self._record_thread = None
+
+    def module_at(self, seq: int) -> str | None:
+        """The innermost module that was active when sequence number ``seq`` was assigned."""
+        position = bisect.bisect_right(self.bound_seqs, seq) - 1
+        return self.bound_modules[position] if position >= 0 else None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class _NodeState:
+    __slots__ = ("node", "name", "seq", "module", "param", "next", "calls", "in_backward", "created_in", "variable")
+
+    def __init__(self, node: Any, in_backward: bool):
+        self.node = node
+        self.name = node.name()
+        self.variable = getattr(node, "variable", None)
+        # AccumulateGrad's sequence number is 2**64-1: leaves have no creation order.
+        self.seq = None if hasattr(node, "variable") else node._sequence_nr()
+        self.module: str | None = None
+        self.param: str | None = None
+        self.next: list[Any] = []
+        self.calls: list[tuple[int, tuple, tuple]] = []
+        self.in_backward = in_backward
+        self.created_in: int | None = None
+
+
+def _discovery_mode_class() -> type:
+    from torch.overrides import TorchFunctionMode
+
+    class _DiscoveryMode(TorchFunctionMode):
+        """Hooks the graph nodes that ops create while a custom Function's backward runs."""
+
+        def __init__(self, session: _TraceSession):
+            super().__init__()
+            self.session = session
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            output = func(*args, **(kwargs or {}))
+            self.session.discover_in_backward(output)
+            return output
+
+    return _DiscoveryMode
+
+
+class _TraceSession:
+    """The mutable state of one trace; turned into a frozen Trace by :meth:`finish`."""
+
+    def __init__(self, leaves: dict[int, _Leaf], input_names: dict[int, str], tracker: _ModuleTracker):
+        import torch
+
+        self._torch = torch
+        self.leaves = leaves
+        self.input_names = input_names
+        self.tracker = tracker
+        self.states: list[_NodeState] = []
+        self.index: dict[Any, int] = {}
+        self.handles: list[Any] = []
+        self.norms: list[Any] = []
+        self.order = 0
+        self.errors: list[str] = []
+        self.running_custom: list[int] = []
+        self.modes: list[Any] = []
+        self._mode_class = _discovery_mode_class()
+
+    # --- discovery -------------------------------------------------------------
+    def discover(self, roots: Iterable[Any], in_backward: bool = False) -> None:
+        """Hook every node reachable from ``roots`` that is not hooked yet."""
+        queue = deque()
+        for root in roots:
+            if root is not None and root not in self.index:
+                self._add(root, in_backward)
+                queue.append(root)
+        while queue:
+            node = queue.popleft()
+            state = self.states[self.index[node]]
+            for next_node, _ in node.next_functions:
+                state.next.append(next_node)
+                if next_node is not None and next_node not in self.index:
+                    self._add(next_node, in_backward)
+                    queue.append(next_node)
+
+    def _add(self, node: Any, in_backward: bool) -> None:
+        node_id = len(self.states)
+        state = _NodeState(node, in_backward)
+        self.index[node] = node_id
+        self.states.append(state)
+        if state.variable is not None:
+            leaf = self.leaves.get(id(state.variable))
+            if leaf is not None:
+                state.param, state.module = leaf.name, leaf.module
+            else:
+                state.param = self.input_names.get(id(state.variable))
+        elif in_backward:
+            state.module = self.tracker.current()
+            state.created_in = self.running_custom[-1] if self.running_custom else None
+        self.handles.append(node.register_hook(functools.partial(self._on_run, node_id)))
+        if self._is_custom_function(node):
+            self.handles.append(node.register_prehook(functools.partial(self._on_custom_start, node_id)))
+
+    def _is_custom_function(self, node: Any) -> bool:
+        return isinstance(node, self._torch.autograd.function.BackwardCFunction)
+
+    def discover_in_backward(self, output: Any) -> None:
+        try:
+            roots = [t.grad_fn for t in _tensors_in(output, self._torch.Tensor) if t.grad_fn is not None]
+            if roots:
+                self.discover(roots, in_backward=True)
+        except Exception:  # never break the user's backward; report after it
+            self.errors.append(traceback.format_exc())
+
+    # --- hooks -------------------------------------------------------------------
+    def _on_custom_start(self, node_id: int, grad_outputs: Any) -> None:
+        mode = self._mode_class(self)
+        mode.__enter__()
+        self.modes.append(mode)
+        self.running_custom.append(node_id)
+
+    def _end_custom(self, node_id: int) -> None:
+        if self.running_custom and self.running_custom[-1] == node_id:
+            self.running_custom.pop()
+            self.modes.pop().__exit__(None, None, None)
+
+    def _on_run(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        try:
+            order = self.order
+            self.order += 1
+            if self.running_custom and self.running_custom[-1] == node_id:
+                self._end_custom(node_id)
+            with self._torch.no_grad():
+                stats_in = tuple(self._queue_stat(g) for g in grad_inputs)
+                stats_out = tuple(self._queue_stat(g) for g in grad_outputs)
+            self.states[node_id].calls.append((order, stats_in, stats_out))
+        except Exception:  # never break the user's backward; report after it
+            self.errors.append(traceback.format_exc())
+        return None
+
+    def _queue_stat(self, grad: Any) -> _PendingStat | None:
+        """Record a gradient's shape and dtype; queue its norm as a device tensor."""
+        if grad is None:
+            return None
+        torch = self._torch
+        layout = None if grad.layout == torch.strided else str(grad.layout).removeprefix("torch.")
+        try:
+            values = grad
+            if grad.is_sparse:
+                values = grad.coalesce().values()
+            elif layout is not None:
+                values = grad.values()
+            if values.is_complex() or values.dtype == torch.float64:
+                norm = torch.linalg.vector_norm(values)
+            else:
+                norm = torch.linalg.vector_norm(values, dtype=torch.float32)
+            self.norms.append(norm)
+            position = len(self.norms) - 1
+        except Exception:  # an exotic tensor: keep shape and dtype without a norm
+            position = None
+        return (tuple(grad.shape), _dtype_name(grad.dtype), layout, position)
+
+    # --- result ------------------------------------------------------------------
+    def _read_norms(self) -> list[float | None]:
+        """All queued norms as floats, in one transfer per device."""
+        torch = self._torch
+        values: list[float | None] = [None] * len(self.norms)
+        by_device: dict[Any, list[int]] = {}
+        for position, norm in enumerate(self.norms):
+            by_device.setdefault(norm.device, []).append(position)
+        for positions in by_device.values():
+            try:
+                stacked = torch.stack([self.norms[p].to(torch.float64) for p in positions]).cpu().tolist()
+            except Exception:  # tensor subclasses that refuse to stack: one by one
+                stacked = []
+                for p in positions:
+                    try:
+                        stacked.append(float(self.norms[p]))
+                    except Exception:
+                        stacked.append(None)
+            for p, value in zip(positions, stacked):
+                values[p] = value
+        return values
+
+    def finish(self, meta: Meta) -> Trace:
+        """Read the statistics back and build the frozen Trace."""
+        if self.errors:
+            raise InternalError("a gradtrace hook failed during backward:\n" + self.errors[0])
+        for state in self.states:  # creators come before what they create
+            if state.seq is not None and not state.in_backward:
+                state.module = self.tracker.module_at(state.seq)
+            elif state.in_backward and state.module is None and state.created_in is not None:
+                # e.g. a checkpointed function's own ops: they belong where the checkpoint was called
+                state.module = self.states[state.created_in].module
+        totals = {}
+        for node_id, state in enumerate(self.states):
+            if len(state.calls) > 1 and state.variable is not None and state.variable.grad is not None:
+                with self._torch.no_grad():
+                    totals[node_id] = self._queue_stat(state.variable.grad)
+
+        keep = self._kept_ids()
+        new_id = {old: new for new, old in enumerate(keep)}
+        norms = self._read_norms()
+
+        def stat(pending: _PendingStat | None) -> GradStat | None:
+            if pending is None:
+                return None
+            shape, dtype, layout, position = pending
+            return GradStat(shape, dtype, None if position is None else norms[position], layout)
+
+        creation = sorted(
+            (old for old in keep if self.states[old].seq is not None),
+            key=lambda old: (self.states[old].in_backward, self.states[old].seq),
+        )
+        created = {old: rank for rank, old in enumerate(creation)}
+        nodes = []
+        for old in keep:
+            state = self.states[old]
+            calls = tuple(
+                NodeCall(order, tuple(map(stat, gi)), tuple(map(stat, go))) for order, gi, go in state.calls
+            )
+            first = calls[0] if calls else None
+            grad_inputs = first.grad_inputs if first else None
+            grad_outputs = first.grad_outputs if first else None
+            if old in totals:
+                grad_outputs = (stat(totals[old]),)
+            nodes.append(
+                Node(
+                    id=new_id[old],
+                    name=state.name,
+                    module=state.module,
+                    param=state.param,
+                    order=first.order if first else None,
+                    next=tuple(
+                        None if n is None else new_id.get(self.index[n]) for n in state.next
+                    ),
+                    grad_inputs=grad_inputs,
+                    grad_outputs=grad_outputs,
+                    created=created.get(old),
+                    created_in=None if state.created_in is None else new_id.get(state.created_in),
+                    calls=calls if len(calls) > 1 else (),
+                )
+            )
+        with_grad = {
+            self.states[old].param for old in keep if self.states[old].calls and self.states[old].param is not None
+        }
+        missing = tuple(
+            leaf.name for leaf in self.leaves.values() if leaf.tensor.requires_grad and leaf.name not in with_grad
+        )
+        return Trace(meta=meta, nodes=tuple(nodes), params_without_grad=missing)
+
+    def _kept_ids(self) -> list[int]:
+        """Forward nodes, plus backward-created nodes that ran or are reachable from one that ran.
+
+        A non-reentrant checkpoint's recompute builds a throwaway graph that never
+        runs; it is left out.
+        """
+        keep = {i for i, s in enumerate(self.states) if not s.in_backward}
+        queue = deque(i for i, s in enumerate(self.states) if s.in_backward and s.calls)
+        while queue:
+            node_id = queue.popleft()
+            if node_id in keep:
+                continue
+            keep.add(node_id)
+            queue.extend(self.index[n] for n in self.states[node_id].next if n is not None)
+        return sorted(keep)
+
+    def close(self) -> None:
+        """Remove every hook and leave no mode behind; drop references to the graph."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        while self.modes:
+            mode = self.modes.pop()
+            try:
+                mode.__exit__(None, None, None)
+            except Exception:  # the mode was pushed on another thread; it ends with that thread's task
+                pass
+        self.running_custom.clear()
+
+    def release(self) -> None:
+        for state in self.states:
+            state.node = None
+            state.variable = None
+            state.next = []
+        self.index.clear()
+        self.norms.clear()
+
+
+def _tensors_in(value: Any, tensor_type: type) -> list[Any]:
+    if isinstance(value, tensor_type):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors_in(item, tensor_type)]
+    return []
+
+
+def _describe_model(model: Any) -> str:
+    return getattr(model, "__qualname__", None) or type(model).__name__
+
+
+def trace(
+    model: Callable[..., Any],
+    args: Any = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    loss_fn: Callable[[Any], Any] | None = None,
+    loss_reduction: str = "sum",
+    input_grad: bool = True,
+    train: bool | None = None,
+    target: str | None = None,
+    seed: int | None = None,
+) -> Trace:
+    """Run ``model(*args, **kwargs)`` and its backward with a hook on every graph node.
+
+    Args:
+        model: an ``nn.Module`` or any callable.
+        args: positional inputs (a single tensor is taken as one argument).
+        kwargs: keyword inputs.
+        loss_fn: ``loss_fn(output)`` returning the scalar to differentiate; without
+            it the output is reduced by the documented rule (scalar output as is,
+            ``.loss`` / ``["loss"]``, else the sum of each floating output's sum).
+        loss_reduction: "sum" or "mean" for that fallback rule.
+        input_grad: give floating-point input tensors ``requires_grad`` (through
+            new aliases; the caller's tensors are not changed) so their gradients
+            appear as ``input:N`` leaves.
+        train: ``True``/``False`` to run in train/eval mode; ``None`` keeps the mode
+            the model is in. The mode is restored afterwards.
+        target: how to name the model in ``meta.target``.
+        seed: recorded in ``meta.seed`` (seeding is the caller's job).
+
+    Returns:
+        A frozen :class:`~tracer_cli.records.Trace` of plain numbers and strings.
+
+    Raises:
+        UserCodeError: the model, the loss function or a custom backward raised.
+        ModelError: the loss does not require grad, or cannot be formed.
+
+    Each parameter's ``.grad`` is left as it was found: gradients of this backward
+    are recorded, then discarded.
+    """
+    import torch
+
+    started = time.perf_counter()
+    if isinstance(args, torch.Tensor) or not isinstance(args, (tuple, list)):
+        args = (args,)
+    args, kwargs, input_names, input_infos = _prepare_inputs(tuple(args), dict(kwargs or {}), input_grad)
+    modules = named_modules_of(model)
+    leaves = _named_leaves(model, modules)
+    tracker = _ModuleTracker(modules)
+    session = _TraceSession(leaves, input_names, tracker)
+    training = [(module, module.training) for _, module in modules]
+    saved_grads: dict[int, tuple[Any, Any]] = {}
+    try:
+        if train is not None:
+            for name, module in modules:
+                if "." not in name:  # the roots; .train() recurses and honours overrides
+                    module.train(train)
+        tracker.install()
+        tracker.start_recording()
+        try:
+            output = model(*args, **kwargs)
+        except Exception as exc:
+            raise UserCodeError("the model's forward", exc, hint=_input_hint(input_infos)) from exc
+        loss, loss_rule = compute_loss(output, loss_fn, loss_reduction)
+        tracker.stop_recording()
+        forward_done = time.perf_counter()
+        if loss.grad_fn is None:
+            raise ModelError(
+                f"the loss ({loss_rule}) does not require grad: nothing to trace",
+                hint="check that parameters or inputs require grad and that forward does not run under "
+                "torch.no_grad() or .detach() the output",
+            )
+        del output
+        session.discover([loss.grad_fn])
+        for leaf in leaves.values():
+            saved_grads[id(leaf.tensor)] = (leaf.tensor, leaf.tensor.grad)
+        for state in session.states:
+            if state.variable is not None and id(state.variable) not in saved_grads:
+                saved_grads[id(state.variable)] = (state.variable, state.variable.grad)
+        for tensor, _ in saved_grads.values():
+            tensor.grad = None
+        backward_start = time.perf_counter()
+        try:
+            loss.backward()
+        except Exception as exc:
+            if session.errors:
+                raise InternalError("a gradtrace hook failed during backward:\n" + session.errors[0]) from exc
+            raise UserCodeError("backward", exc) from exc
+        backward_done = time.perf_counter()
+        session.close()
+        meta = Meta(
+            target=target or _describe_model(model),
+            torch=torch.__version__,
+            device=str(loss.device),
+            loss=float(loss.detach().float()),
+            loss_rule=loss_rule,
+            inputs=tuple(input_infos),
+            seed=seed,
+            training=_training_flag(modules),
+            module_types={name: type(module).__name__ for name, module in modules},
+        )
+        result = session.finish(meta)
+        timings = {
+            "forward": forward_done - started,
+            "backward": backward_done - backward_start,
+            "total": time.perf_counter() - started,
+        }
+        return result.with_meta(timings_s=timings)
+    finally:
+        tracker.stop_recording()
+        session.close()
+        tracker.remove()
+        for tensor, grad in saved_grads.values():
+            tensor.grad = grad
+        for module, flag in training:
+            module.training = flag
+        session.release()
+
+
+def _training_flag(modules: list[tuple[str, Any]]) -> bool | None:
+    return modules[0][1].training if modules else None
+
+
+def _input_hint(infos: list[InputInfo]) -> str | None:
+    if not infos:
+        return None
+    shapes = ", ".join(f"{i.name} {i.dtype}{list(i.shape)}" for i in infos)
+    return f"the model was called with {shapes}; check the input specs (-i) or example_inputs()"
