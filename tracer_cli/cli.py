@@ -57,7 +57,7 @@ def _root(
 def _stderr_console() -> Any:
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _report(error: BaseException, debug: bool) -> int:

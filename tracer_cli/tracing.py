@@ -549,7 +549,8 @@ def trace(
         try:
             output = model(*args, **kwargs)
         except Exception as exc:
-            raise UserCodeError("the model's forward", exc, hint=_input_hint(input_infos)) from exc
+            phase = "the model's forward" + _failing_module(exc, modules)
+            raise UserCodeError(phase, exc, hint=_input_hint(input_infos)) from exc
         loss, loss_rule = compute_loss(output, loss_fn, loss_reduction)
         tracker.stop_recording()
         forward_done = time.perf_counter()
@@ -608,6 +609,20 @@ def trace(
 
 def _training_flag(modules: list[tuple[str, Any]]) -> bool | None:
     return modules[0][1].training if modules else None
+
+
+def _failing_module(exc: BaseException, modules: list[tuple[str, Any]]) -> str:
+    """`` in module 'fc1' (Linear)``: the innermost module whose forward was running when ``exc`` was raised."""
+    names = {id(module): name for name, module in modules}
+    found = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            name = names[id(owner)]
+            found = f" in module {name!r} ({type(owner).__name__})" if name else f" ({type(owner).__name__})"
+        tb = tb.tb_next
+    return found
 
 
 def _input_hint(infos: list[InputInfo]) -> str | None:

@@ -1,0 +1,393 @@
+"""The command line as users call it: exit codes, stdout and stderr separately, clean errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tracer_cli import cli
+from tracer_cli.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "sample_models"
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def invoke(runner: CliRunner, *args: str):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+def write_model(tmp_path: Path, body: str, name: str = "model_file.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def node_lines(text: str) -> list[str]:
+    """The tree's node lines (not the summary's)."""
+    return [line for line in text.splitlines() if re.search(r"[├└]── #\d+ ", line)]
+
+
+def strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"bare {constant} in JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+MLP_FILE = """
+    import torch
+    import torch.nn as nn
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def example_inputs():
+        return torch.randn(3, 4)
+"""
+
+
+def test_run_prints_tree_and_summary(runner, tmp_path):
+    path = write_model(tmp_path, MLP_FILE)
+    result = invoke(runner, "run", str(path))
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    for expected in ("AddmmBackward0", "TBackward0", "AccumulateGrad", "0.weight", "grad_in", "grad_out", "loss"):
+        assert expected in out
+    assert "11 traced, 11 ran" in out
+    assert result.stderr == ""
+
+
+def test_json_to_stdout_is_strict_and_alone(runner):
+    result = invoke(runner, "run", str(SAMPLES / "nan_where.py"), "--json", "-")
+    assert result.exit_code == 0, result.stderr
+    document = strict_json(result.stdout)  # the JSON document alone: no tree around it
+    assert document["schema"] == "gradtrace/1"
+    assert [n["id"] for n in document["nodes"]] == list(range(len(document["nodes"])))
+    norms = [s["norm"] for n in document["nodes"] for s in (n["grad_inputs"] or []) if s]
+    assert "nan" in norms  # non-finite norms are strings
+    assert document["summary"]["first_nonfinite"]["kind"] == "nan"
+    assert set(document["meta"]) >= {
+        "target", "torch", "device", "rank", "world_size", "seed", "loss", "loss_rule", "inputs", "timings_s"
+    }
+    assert set(document["meta"]["timings_s"]) == {"forward", "backward", "total"}
+
+
+def test_json_file_and_tree(runner, tmp_path):
+    out = tmp_path / "trace.json"
+    result = invoke(runner, "run", str(SAMPLES / "mlp.py"), "--json", str(out))
+    assert result.exit_code == 0, result.stderr
+    assert "AddmmBackward0" in result.stdout
+    document = strict_json(out.read_text())
+    assert document["meta"]["inputs"][0]["name"] == "input:0"
+    assert document["summary"]["nodes"] == len(document["nodes"])
+
+
+def test_input_specs_override_example_inputs(runner, tmp_path):
+    path = write_model(tmp_path, MLP_FILE)
+    result = invoke(runner, "run", str(path), "-i", "float64[5,4]", "--json", "-")
+    # float64 input into a float32 Linear raises in the user's forward: a model error, not a crash
+    assert result.exit_code == 3
+    result = invoke(runner, "run", str(path), "-i", "float32[5,4]", "--json", "-")
+    document = strict_json(result.stdout)
+    assert document["meta"]["inputs"] == [{"name": "input:0", "shape": [5, 4], "dtype": "float32"}]
+
+
+def test_keyword_inputs_and_named_attribute(runner, tmp_path):
+    path = write_model(
+        tmp_path,
+        """
+        import torch
+
+        def scale(x, *, w):
+            return (x * w).sum()
+
+        def other():
+            return scale
+        """,
+    )
+    result = invoke(runner, "run", f"{path}:scale", "-i", "float32[3]", "-i", "w=float32[3]:ones", "--json", "-")
+    assert result.exit_code == 0, result.stderr
+    document = strict_json(result.stdout)
+    params = {n["param"] for n in document["nodes"]}
+    assert {"input:0", "input:w"} <= params
+    # a factory (no required parameters) is called to build the model
+    result = invoke(runner, "run", f"{path}:other", "-i", "float32[3]", "-i", "w=float32[3]", "--json", "-")
+    assert result.exit_code == 0, result.stderr
+
+
+def test_package_module_target(runner, tmp_path, monkeypatch):
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "models.py").write_text(
+        textwrap.dedent(
+            """
+            import torch.nn as nn
+
+            def build_small():
+                return nn.Sequential(nn.Linear(3, 2), nn.Tanh())
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = invoke(runner, "run", "mypkg.models:build_small", "-i", "float32[2,3]", "--view", "graph")
+    assert result.exit_code == 0, result.stderr
+    assert "TanhBackward0" in result.stdout
+
+
+def test_eval_flag_and_mode_restored(runner, tmp_path):
+    path = write_model(
+        tmp_path,
+        """
+        import torch
+        import torch.nn as nn
+
+        model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+        model.train()
+
+        def example_inputs():
+            return torch.randn(2, 4)
+        """,
+    )
+    result = invoke(runner, "run", str(path), "--eval", "--json", "-")
+    assert strict_json(result.stdout)["meta"]["training"] is False
+    result = invoke(runner, "run", str(path), "--json", "-")
+    assert strict_json(result.stdout)["meta"]["training"] is True
+
+
+@pytest.mark.parametrize(
+    "body, args, code, fragments",
+    [
+        (None, ["run", "does_not_exist.py"], 2, ["not found", "does_not_exist.py"]),
+        ("def broken(:\n    pass\n", [], 3, ["syntax error", "model_file.py:1"]),
+        ("x = 1\n", [], 3, ["neither `model` nor `build_model`"]),
+        (MLP_FILE, [":nothing"], 3, ["no attribute 'nothing'", "hint"]),
+        ("import torch.nn as nn\nmodel = nn.Linear(2, 2)\n", [], 2, ["no inputs", "-i"]),
+        (MLP_FILE, ["-i", "float32[8,x]"], 2, ["'float32[8,x]'", "DTYPE"]),
+        (MLP_FILE, ["-i", "float32[3,5]"], 3, ["forward in module '0' (Linear)", "RuntimeError", "float32[3, 5]"]),
+        (MLP_FILE, ["--filter", "("], 2, ["--filter"]),
+        (MLP_FILE, ["--device", "nonsense"], 2, ["invalid device"]),
+        (
+            "import torch\nimport torch.nn as nn\nmodel = nn.Linear(2, 2)\nfor p in model.parameters():\n"
+            "    p.requires_grad_(False)\ndef example_inputs():\n    return torch.randn(1, 2)\n",
+            ["--no-input-grad"],
+            3,
+            ["does not require grad"],
+        ),
+        (
+            "import torch\nimport torch.nn as nn\n\nclass Bad(nn.Module):\n    def forward(self, x):\n"
+            "        raise ValueError('my model is broken')\n\nmodel = Bad()\n"
+            "def example_inputs():\n    return torch.randn(1)\n",
+            [],
+            3,
+            ["ValueError: my model is broken", "model_file.py\", line 6", "raise ValueError"],
+        ),
+        ("raise ImportError('missing dependency foo')\n", [], 3, ["importing", "missing dependency foo"]),
+    ],
+)
+def test_errors_are_one_clear_message(runner, tmp_path, body, args, code, fragments):
+    if body is None:
+        argv = args
+    else:
+        path = write_model(tmp_path, body)
+        extra = list(args)
+        target = str(path)
+        if extra and extra[0].startswith(":"):
+            target += extra.pop(0)
+        argv = ["run", target, *extra]
+    result = invoke(runner, *argv)
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    assert result.stdout == ""
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+    assert "tracer_cli" not in result.stderr  # no gradtrace-internal frames
+    assert "Traceback (most recent call last)" not in result.stderr
+
+
+def test_cuda_unavailable_is_usage_error(runner, tmp_path):
+    if torch.cuda.is_available():  # pragma: no cover - CPU CI
+        pytest.importorskip("this_module_does_not_exist_on_gpu_machines")
+    path = write_model(tmp_path, MLP_FILE)
+    result = invoke(runner, "run", str(path), "--device", "cuda")
+    assert result.exit_code == 2
+    assert "CUDA is not available" in result.stderr
+
+
+def test_malicious_pt_inputs_never_execute(runner, tmp_path):
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    bad = tmp_path / "inputs.pt"
+    with open(bad, "wb") as handle:
+        pickle.dump(Payload(), handle)
+    path = write_model(tmp_path, MLP_FILE)
+    result = invoke(runner, "run", str(path), "--inputs", str(bad))
+    assert result.exit_code == 2
+    assert "inputs.pt" in result.stderr
+    assert not marker.exists()
+
+
+def test_inputs_file_pt_and_json(runner, tmp_path):
+    path = write_model(tmp_path, MLP_FILE)
+    saved = tmp_path / "inputs.pt"
+    torch.save((torch.ones(2, 4),), saved)
+    result = invoke(runner, "run", str(path), "--inputs", str(saved), "--json", "-")
+    assert result.exit_code == 0, result.stderr
+    assert strict_json(result.stdout)["meta"]["inputs"][0]["shape"] == [2, 4]
+    specs = tmp_path / "inputs.json"
+    specs.write_text('["float32[6,4]"]')
+    result = invoke(runner, "run", str(path), "--inputs", str(specs), "--json", "-")
+    assert strict_json(result.stdout)["meta"]["inputs"][0]["shape"] == [6, 4]
+
+
+def test_internal_error_exit_70_and_debug(runner, tmp_path, monkeypatch):
+    path = write_model(tmp_path, MLP_FILE)
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("boom inside gradtrace")
+
+    monkeypatch.setattr("tracer_cli.tracing.trace", explode)
+    result = invoke(runner, "run", str(path))
+    assert result.exit_code == 70
+    assert "internal error" in result.stderr and "--debug" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = invoke(runner, "run", str(path), "--debug")
+    assert result.exit_code == 70
+    assert "Traceback" in result.stderr and "explode" in result.stderr
+
+
+def test_interrupt_exits_130(runner, tmp_path, monkeypatch):
+    path = write_model(tmp_path, MLP_FILE)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("tracer_cli.tracing.trace", interrupted)
+    result = invoke(runner, "run", str(path))
+    assert result.exit_code == 130
+    assert "interrupted" in result.stderr
+
+
+def test_bounded_output_and_all(runner, tmp_path):
+    path = write_model(
+        tmp_path,
+        """
+        import torch
+
+        def model(x):
+            for _ in range(300):
+                x = x * 1.001
+            return x.sum()
+
+        def example_inputs():
+            return torch.ones(2)
+        """,
+    )
+    result = invoke(runner, "run", str(path))
+    assert result.exit_code == 0
+    assert "more node lines not shown" in result.stdout
+    assert len(node_lines(result.stdout)) == 200
+    result = invoke(runner, "run", str(path), "--all")
+    assert sum("MulBackward0" in line for line in node_lines(result.stdout)) == 300
+    assert "not shown" not in result.stdout
+    result = invoke(runner, "run", str(path), "--max-nodes", "10", "--view", "graph")
+    assert len(node_lines(result.stdout)) == 10
+    # a straight chain does not indent a level per node
+    widths = [len(line) - len(line.lstrip(" │├└─")) for line in result.stdout.splitlines() if "MulBackward0" in line]
+    assert max(widths) <= 8
+
+
+def test_filter(runner):
+    result = invoke(runner, "run", str(SAMPLES / "mlp.py"), "--filter", "fc2", "--all")
+    assert result.exit_code == 0
+    lines = node_lines(result.stdout)
+    assert len(lines) == 4  # AddmmBackward0, TBackward0 and the two AccumulateGrad of fc2
+    assert "fc1" not in "".join(lines) and "fc3" not in "".join(lines)
+
+
+def test_help_does_not_import_torch():
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from tracer_cli.cli import app\n"
+        "r = CliRunner().invoke(app, ['run', '--help'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "r = CliRunner().invoke(app, ['--help'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_every_option_has_help():
+    import typer.main
+
+    command = typer.main.get_command(app)
+    for name, sub in command.commands.items():
+        assert sub.help, name
+        for param in sub.params:
+            if param.param_type_name == "option":
+                assert param.help, f"{name} {param.opts}"
+
+
+def test_module_entry_point_and_console_script(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "tracer_cli", "run", str(SAMPLES / "classic_mul_div.py"), "--json", "-"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    document = strict_json(result.stdout)
+    div = next(n for n in document["nodes"] if n["name"] == "DivBackward0")
+    assert [s["norm"] for s in div["grad_inputs"]] == pytest.approx([0.5, 1.0])
+    version = subprocess.run([sys.executable, "-m", "tracer_cli", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("gradtrace ")
+
+
+def test_usage_error_exit_code_2(runner):
+    result = runner.invoke(app, ["run"])
+    assert result.exit_code == 2
+    result = runner.invoke(app, ["run", str(SAMPLES / "mlp.py"), "--view", "sideways"])
+    assert result.exit_code == 2
+
+
+def test_reports_user_frames_only(tmp_path):
+    path = write_model(
+        tmp_path,
+        """
+        import torch
+
+        def helper(x):
+            return x.view(7, 7)
+
+        def model(x):
+            return helper(x).sum()
+
+        def example_inputs():
+            return torch.ones(3)
+        """,
+    )
+    result = subprocess.run([sys.executable, "-m", "tracer_cli", "run", str(path)], capture_output=True, text=True)
+    assert result.returncode == 3
+    assert "in helper" in result.stderr and "in model" in result.stderr
+    assert "tracer_cli" not in result.stderr and "site-packages/torch" not in result.stderr
