@@ -391,3 +391,15 @@ def test_reports_user_frames_only(tmp_path):
     assert result.returncode == 3
     assert "in helper" in result.stderr and "in model" in result.stderr
     assert "tracer_cli" not in result.stderr and "site-packages/torch" not in result.stderr
+
+
+def test_readme_documents_every_option():
+    import typer.main
+
+    readme = (ROOT / "README.md").read_text()
+    command = typer.main.get_command(app)
+    for name, sub in command.commands.items():
+        assert f"gradtrace {name}" in readme
+        for param in sub.params:
+            if param.param_type_name == "option" and "--help" not in param.opts:
+                assert any(opt in readme for opt in param.opts), f"README does not mention {param.opts}"

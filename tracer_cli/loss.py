@@ -79,7 +79,7 @@ def compute_loss(
             raise UserCodeError("loss_fn(output)", exc) from exc
         return _as_scalar(loss, "loss_fn(output)"), "loss_fn(output)"
     if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():
-        return output, "the output (a scalar)"
+        return output, "output (a scalar)"
     attribute_loss = getattr(output, "loss", None)
     if isinstance(attribute_loss, torch.Tensor):
         return _as_scalar(attribute_loss, "output.loss"), "output.loss"

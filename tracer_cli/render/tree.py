@@ -302,10 +302,17 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
 
     if nodes:
         walk(root, 0, 0)
-    for node in nodes:  # nodes created during backward hang under the node that created them
-        if node.id not in visited and node.created_in is not None and node.created_in in branch_of:
-            group = branch_of[node.created_in].add(Text(f"created during backward of #{node.created_in}", style="dim"))
-            walk(group, node.id, 1)
+    # Nodes created during backward hang under the node that created them, walked from their own roots.
+    has_parent = {child for node in nodes for child in node.next if child is not None}
+    groups: dict[int, Tree] = {}
+    created = [n for n in nodes if n.created_in is not None]
+    for node in sorted(created, key=lambda n: (n.id in has_parent, n.id)):
+        if node.id in visited or node.created_in not in branch_of:
+            continue
+        if node.created_in not in groups:
+            label = Text(f"created during backward of #{node.created_in}", style="dim")
+            groups[node.created_in] = branch_of[node.created_in].add(label)
+        walk(groups[node.created_in], node.id, 1)
     for node in nodes:
         if node.id not in visited:
             walk(root, node.id, 0)
