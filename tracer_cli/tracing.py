@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import gc
 import threading
 import time
 import traceback
@@ -245,7 +246,8 @@ class _TraceSession:
         self.input_names = input_names
         self.tracker = tracker
         self.states: list[_NodeState] = []
-        self.index: dict[Any, int] = {}
+        # id(node) -> node id; the states hold every node alive, so ids are not reused meanwhile
+        self.index: dict[int, int] = {}
         self.handles: list[Any] = []
         self.norms: list[Any] = []
         self.order = 0
@@ -259,23 +261,25 @@ class _TraceSession:
         """Hook every node reachable from ``roots`` that is not hooked yet."""
         queue = deque()
         for root in roots:
-            if root is not None and root not in self.index:
+            if root is not None and id(root) not in self.index:
                 self._add(root, in_backward)
                 queue.append(root)
         while queue:
             node = queue.popleft()
-            state = self.states[self.index[node]]
+            state = self.states[self.index[id(node)]]
             for next_node, _ in node.next_functions:
                 state.next.append(next_node)
-                if next_node is not None and next_node not in self.index:
+                if next_node is not None and id(next_node) not in self.index:
                     self._add(next_node, in_backward)
                     queue.append(next_node)
 
     def _add(self, node: Any, in_backward: bool) -> None:
         node_id = len(self.states)
         state = _NodeState(node, in_backward)
-        self.index[node] = node_id
+        self.index[id(node)] = node_id
         self.states.append(state)
+        if in_backward:
+            state.created_in = self.running_custom[-1] if self.running_custom else None
         if state.variable is not None:
             leaf = self.leaves.get(id(state.variable))
             if leaf is not None:
@@ -284,7 +288,6 @@ class _TraceSession:
                 state.param = self.input_names.get(id(state.variable))
         elif in_backward:
             state.module = self.tracker.current()
-            state.created_in = self.running_custom[-1] if self.running_custom else None
         self.handles.append(node.register_hook(functools.partial(self._on_run, node_id)))
         if self._is_custom_function(node):
             self.handles.append(node.register_prehook(functools.partial(self._on_custom_start, node_id)))
@@ -358,7 +361,10 @@ class _TraceSession:
             by_device.setdefault(norm.device, []).append(position)
         for positions in by_device.values():
             try:
-                stacked = torch.stack([self.norms[p].to(torch.float64) for p in positions]).cpu().tolist()
+                same_dtype = [self.norms[p].to(torch.float64) for p in positions] if _mixed_dtypes(
+                    self.norms, positions
+                ) else [self.norms[p] for p in positions]
+                stacked = torch.stack(same_dtype).cpu().tolist()
             except Exception:  # tensor subclasses that refuse to stack: one by one
                 stacked = []
                 for p in positions:
@@ -377,7 +383,7 @@ class _TraceSession:
         for state in self.states:  # creators come before what they create
             if state.seq is not None and not state.in_backward:
                 state.module = self.tracker.module_at(state.seq)
-            elif state.in_backward and state.module is None and state.created_in is not None:
+            elif state.in_backward and state.seq is not None and state.module is None and state.created_in is not None:
                 # e.g. a checkpointed function's own ops: they belong where the checkpoint was called
                 state.module = self.states[state.created_in].module
         totals = {}
@@ -420,7 +426,7 @@ class _TraceSession:
                     param=state.param,
                     order=first.order if first else None,
                     next=tuple(
-                        None if n is None else new_id.get(self.index[n]) for n in state.next
+                        None if n is None else new_id.get(self.index[id(n)]) for n in state.next
                     ),
                     grad_inputs=grad_inputs,
                     grad_outputs=grad_outputs,
@@ -450,7 +456,7 @@ class _TraceSession:
             if node_id in keep:
                 continue
             keep.add(node_id)
-            queue.extend(self.index[n] for n in self.states[node_id].next if n is not None)
+            queue.extend(self.index[id(n)] for n in self.states[node_id].next if n is not None)
         return sorted(keep)
 
     def close(self) -> None:
@@ -473,6 +479,11 @@ class _TraceSession:
             state.next = []
         self.index.clear()
         self.norms.clear()
+
+
+def _mixed_dtypes(tensors: list[Any], positions: list[int]) -> bool:
+    first = tensors[positions[0]].dtype
+    return any(tensors[p].dtype != first for p in positions)
 
 
 def _tensors_in(value: Any, tensor_type: type) -> list[Any]:
@@ -539,6 +550,10 @@ def trace(
     session = _TraceSession(leaves, input_names, tracker)
     training = [(module, module.training) for _, module in modules]
     saved_grads: dict[int, tuple[Any, Any]] = {}
+    # A trace allocates many small objects while the graph holds many more: generational
+    # collections would walk them all, again and again (measured: half the trace time).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         if train is not None:
             for name, module in modules:
@@ -605,6 +620,8 @@ def trace(
         for module, flag in training:
             module.training = flag
         session.release()
+        if gc_was_enabled:
+            gc.enable()
 
 
 def _training_flag(modules: list[tuple[str, Any]]) -> bool | None:

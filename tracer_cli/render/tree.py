@@ -132,8 +132,8 @@ def node_line(node: Node, styler: _Styler, *, show_module: bool) -> Text:
     if node.runs > 1:
         total = " (total)" if node.is_leaf else " (first run)"
         text.append(f"  ran {node.runs}×{total}", style="yellow")
-    if node.created_in is not None:
-        text.append(f"  recomputed in backward of #{node.created_in}", style="dim")
+    if node.created_in is not None and not show_module:  # the graph view groups these under their creator
+        text.append(f"  created in backward of #{node.created_in}", style="dim")
     if node.name == "CompiledFunctionBackward":
         text.append(
             "  torch.compile region: its ops are fused into this node; TORCH_COMPILE_DISABLE=1 shows them",
