@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tracer_cli import cli
 from tracer_cli.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,6 @@ torch is imported inside command bodies only, so ``gradtrace --help`` stays inst
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from enum import Enum

@@ -1,0 +1,765 @@
+"""Exact checks of the tracer on small graphs whose gradients are known by hand,
+on the corners of autograd (None gradients, sparse, complex, bf16, in-place,
+tied weights, checkpoint side branches), on the loss rule, on cleanup after a
+failure, and on module attribution.
+
+Expected values come from arithmetic or from an independent ``register_hook``
+run (``reference.py``), never from the tracer itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .reference import (
+    as_call_args,
+    canonical_order,
+    grad_norm,
+    graph_signature,
+    load_sample,
+    plain_grads,
+    reference_backward,
+    sample_model,
+    with_input_grads,
+)
+from tracer_cli import trace
+
+
+def one(result, name, **criteria):
+    """The single node called ``name`` (matching ``criteria``)."""
+    found = result.find(name, **criteria)
+    assert len(found) == 1, (name, criteria, [n.label() for n in result.nodes])
+    return found[0]
+
+
+def norms(stats):
+    return tuple(None if s is None else s.norm for s in stats)
+
+
+def shapes(stats):
+    return tuple(None if s is None else s.shape for s in stats)
+
+
+def approx_tuple(values, rel=1e-5):
+    return tuple(None if v is None else pytest.approx(v, rel=rel, abs=1e-7) for v in values)
+
+
+def compare_with_hooks(result, loss):
+    """Every node's stats equal an independent hooked backward of ``loss`` (paired by position)."""
+    ref = reference_backward(loss)
+    traced_order = canonical_order(
+        result.nodes[0], lambda n: [None if j is None else result.nodes[j] for j in n.next], key=lambda n: n.id
+    )
+    reference_order = canonical_order(ref.before[0], lambda n: [f for f, _ in n.next_functions])
+    assert [n.name for n in traced_order] == [n.name() for n in reference_order]
+    for node, ref_node in zip(traced_order, reference_order):
+        (ref_in, ref_out), = ref.calls[id(ref_node)]
+        for stats, expected in ((node.grad_inputs, ref_in), (node.grad_outputs, ref_out)):
+            assert len(stats) == len(expected), node.label()
+            for stat, exp in zip(stats, expected):
+                assert (stat is None) == (exp is None), node.label()
+                if stat is not None:
+                    assert (stat.shape, stat.dtype) == exp[:2], node.label()
+                    assert stat.norm == pytest.approx(exp[2], rel=1e-4, abs=1e-6), node.label()
+    return ref
+
+
+# The classic examples --------------------------------------------------------------
+
+
+def test_classic_mul_div_by_hand():
+    x, y = torch.tensor(4.0), torch.tensor(2.0)
+    result = trace(lambda x, y: x * y + x / y, (x, y))
+    assert result.meta.loss == pytest.approx(4 * 2 + 4 / 2)
+    add = result.nodes[0]
+    assert add.name == "AddBackward0" and add.order == 0
+    assert norms(add.grad_outputs) == approx_tuple((1.0,))
+    assert norms(add.grad_inputs) == approx_tuple((1.0, 1.0))
+    div = one(result, "DivBackward0")
+    assert norms(div.grad_outputs) == approx_tuple((1.0,))
+    assert norms(div.grad_inputs) == approx_tuple((1 / 2, 4 / 2**2))  # |1/y|, |-x/y^2|
+    mul = one(result, "MulBackward0")
+    assert norms(mul.grad_outputs) == approx_tuple((1.0,))
+    assert norms(mul.grad_inputs) == approx_tuple((2.0, 4.0))  # (y, x)
+    for stat in (*div.grad_inputs, *div.grad_outputs, *mul.grad_inputs):
+        assert stat.shape == () and stat.dtype == "float32" and stat.finite
+    assert norms(result.leaf("input:0").grad_outputs) == approx_tuple((2 + 1 / 2,))  # y + 1/y
+    assert norms(result.leaf("input:1").grad_outputs) == approx_tuple((4 - 4 / 4,))  # x - x/y^2
+    # the caller's tensors were not made to require grad
+    assert not x.requires_grad and not y.requires_grad
+
+
+def test_classic_exp_sum_shapes():
+    result = trace(lambda x: x.exp().sum(), (torch.zeros(15),))
+    total = result.nodes[0]
+    assert total.name == "SumBackward0"
+    assert shapes(total.grad_inputs) == ((15,),)
+    assert shapes(total.grad_outputs) == ((),)
+    exp = one(result, "ExpBackward0")
+    assert shapes(exp.grad_inputs) == ((15,),)
+    assert shapes(exp.grad_outputs) == ((15,),)
+    assert norms(exp.grad_inputs) == approx_tuple((math.sqrt(15),))
+    leaf = result.leaf("input:0")
+    assert leaf.name == "torch::autograd::AccumulateGrad"
+    assert leaf.grad_inputs == ()
+    assert leaf.grad_outputs[0].shape == (15,)
+    assert leaf.grad_outputs[0].norm == pytest.approx(math.sqrt(15))
+    assert [n.name for n in result.executed()] == [
+        "SumBackward0", "ExpBackward0", "torch::autograd::AccumulateGrad",
+    ]
+
+
+def test_classic_samples_match_the_inline_versions():
+    for name, expected_nodes in (("classic_mul_div", 5), ("classic_exp_sum", 3)):
+        module = load_sample(name)
+        args, kwargs = as_call_args(module.example_inputs())
+        result = trace(sample_model(module), args, kwargs)
+        assert len(result.nodes) == expected_nodes
+
+
+# None gradients --------------------------------------------------------------------
+
+
+class ScaleByParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+        self.register_buffer("constant", torch.tensor([0.5, 0.25, 2.0]))
+
+    def forward(self, x):
+        return (x * self.w).sum() + (self.constant * self.w).sum()
+
+
+def test_none_in_grad_inputs_for_input_without_grad():
+    model = ScaleByParameter()
+    x = torch.tensor([2.0, 3.0, 4.0])
+    result = trace(model, (x,), input_grad=False)
+    muls = result.find("MulBackward0")
+    assert len(muls) == 2
+    for mul in muls:
+        # x (no grad) or the buffer (no grad) first, the parameter second
+        assert mul.grad_inputs[0] is None
+        assert mul.grad_inputs[1] is not None and mul.grad_inputs[1].shape == (3,)
+        assert mul.next[0] is None
+    by_norm = sorted(mul.grad_inputs[1].norm for mul in muls)
+    assert by_norm == pytest.approx(sorted([float(x.norm()), float(model.constant.norm())]))
+    # and exactly what an independent hook sees
+    loss = ScaleByParameter()(x)
+    compare_with_hooks(result, loss)
+    assert not any(n.param == "input:0" for n in result.nodes)
+
+
+def test_input_grad_true_fills_the_none():
+    model = ScaleByParameter()
+    x = torch.tensor([2.0, 3.0, 4.0])
+    result = trace(model, (x,))
+    input_mul = next(n for n in result.find("MulBackward0") if n.next[0] is not None)
+    assert result.nodes[input_mul.next[0]].param == "input:0"
+    assert input_mul.grad_inputs[0].norm == pytest.approx(float(model.w.detach().norm()))
+
+
+def test_unused_split_chunk_gives_none_grad_output():
+    def model(x):
+        a, b, c = x.split(2)
+        return (a * 2).sum() + c.sum()
+
+    x = torch.arange(6.0)
+    result = trace(model, (x,))
+    split = one(result, "SplitBackward0")
+    assert len(split.grad_outputs) == 3
+    assert split.grad_outputs[1] is None
+    assert norms(split.grad_outputs) == approx_tuple((math.sqrt(8), None, math.sqrt(2)))
+    assert shapes(split.grad_inputs) == ((6,),)
+    compare_with_hooks(result, model(x.detach().requires_grad_()))
+
+
+# Gradient kinds -----------------------------------------------------------------------
+
+
+def test_sparse_embedding_norm_is_of_the_coalesced_gradient():
+    torch.manual_seed(0)
+    model = nn.Embedding(10, 4, sparse=True)
+    ids = torch.tensor([[1, 2, 1, 1], [2, 5, 1, 9]])  # repeats: uncoalesced != coalesced
+    weights = torch.randn(2, 4, 4)
+
+    def loss_fn(out):
+        return (out * weights).sum()
+
+    result = trace(model, (ids,), loss_fn=loss_fn)
+    loss_fn(model(ids)).backward()
+    grad = model.weight.grad
+    assert grad.layout == torch.sparse_coo
+    expected = float(grad.coalesce().values().norm())
+    assert expected != pytest.approx(float(grad._values().norm()))
+    stat = result.leaf("weight").grad_outputs[0]
+    assert stat.norm == pytest.approx(expected, rel=1e-5)
+    assert stat.shape == (10, 4) and stat.dtype == "float32"
+    assert stat.layout == "sparse_coo"
+    embedding = one(result, "EmbeddingBackward0")
+    assert embedding.grad_inputs[0].norm == pytest.approx(expected, rel=1e-5)
+
+
+class ComplexScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([1 + 2j, -0.5 + 0.25j, 3 - 1j], dtype=torch.complex64))
+
+    def forward(self, x):
+        return (x * self.w).abs().pow(2).sum()
+
+
+def test_complex_parameter_has_a_real_norm():
+    model = ComplexScale()
+    x = torch.tensor([1.0, 2.0, -1.0])
+    result = trace(model, (x,))
+    grads = plain_grads(model, (x,))
+    stat = result.leaf("w").grad_outputs[0]
+    assert stat.dtype == "complex64"
+    assert isinstance(stat.norm, float) and stat.finite
+    assert stat.norm == pytest.approx(grad_norm(grads["w"]), rel=1e-5)
+    assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(grad_norm(grads["input:0"]), rel=1e-5)
+    compare_with_hooks(result, model(x.detach().requires_grad_()))
+
+
+class AutocastMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_bf16_autocast_gradients():
+    torch.manual_seed(0)
+    model = AutocastMLP()
+    x = torch.randn(8, 16) * 100  # large values: bf16 sums of squares would lose precision
+    result = trace(model, (x,))
+    names = collections.Counter(n.name for n in result.nodes)
+    assert names["ToCopyBackward0"] >= 4  # x, fc1.weight/bias, fc2.weight/bias cast to bf16
+    dtypes = {stat.dtype for node in result.nodes for _, _, stat in node.stats()}
+    assert "bfloat16" in dtypes
+    assert all(stat.finite for node in result.nodes for _, _, stat in node.stats())
+    assert result.leaf("fc1.weight").grad_outputs[0].dtype == "float32"
+    grads = plain_grads(model, (x,))
+    for name, grad in grads.items():
+        assert result.leaf(name).grad_outputs[0].norm == pytest.approx(grad_norm(grad), rel=1e-3), name
+    # every bf16 statistic equals a float32-accumulated norm taken by an independent hook
+    compare_with_hooks(result, model(x.detach().requires_grad_()).sum())
+
+
+def test_inplace_op_on_a_view_shows_copyslices():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor([2.0, -1.0, 0.5]))
+
+        def forward(self, x):
+            h = x * 3
+            h[:, 0].mul_(self.w)  # in-place on a view of h
+            return h.pow(2).sum()
+
+    torch.manual_seed(0)
+    model = InPlace()
+    x = torch.randn(3, 4)
+    result = trace(model, (x,))
+    args, _, _ = with_input_grads((x,), {})
+    loss = model(*args)
+    expected_names = graph_signature(loss)
+    assert "torch::autograd::CopySlices" in expected_names
+    assert collections.Counter(n.name for n in result.nodes) == expected_names
+    assert one(result, "torch::autograd::CopySlices").module == ""
+    compare_with_hooks(result, loss)
+    for name, grad in plain_grads(model, (x,)).items():
+        assert result.leaf(name).grad_outputs[0].norm == pytest.approx(grad_norm(grad), rel=1e-5)
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return F.cross_entropy(self.head(torch.tanh(self.embed(ids))), ids)
+
+
+def test_tied_weight_has_one_accumulategrad():
+    torch.manual_seed(0)
+    model = TiedLM()
+    ids = torch.tensor([1, 4, 4, 10, 0])
+    result = trace(model, (ids,))
+    leaves = [n for n in result.nodes if n.is_leaf]
+    assert len(leaves) == 1
+    leaf = leaves[0]
+    assert leaf.param == "embed.weight"
+    assert leaf.runs == 1
+    # fed by both uses: the embedding lookup and the head's matmul
+    feeders = {result.nodes[i].name for i, n in enumerate(result.nodes) if leaf.id in n.next}
+    assert feeders == {"EmbeddingBackward0", "TBackward0"}
+    expected = plain_grads(model, (ids,))["embed.weight"]
+    assert leaf.grad_outputs[0].norm == pytest.approx(float(expected.norm()), rel=1e-5)
+
+
+def test_int_inputs_get_no_leaf_and_are_listed():
+    torch.manual_seed(0)
+    model = TiedLM()
+    ids = torch.tensor([1, 4, 4, 10, 0])
+    result = trace(model, (ids,))
+    assert not any(n.param is not None and n.param.startswith("input:") for n in result.nodes)
+    assert [(i.shape, i.dtype) for i in result.meta.inputs] == [((5,), "int64")]
+
+
+class InputOnlyRecompute(torch.autograd.Function):
+    """A hand-rolled checkpoint that recomputes ``layer`` in backward but returns
+    only the input's gradient (``autograd.grad`` w.r.t. the input alone): the
+    layer's weight path is in the recomputed graph but never runs."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.save_for_backward(x)
+        ctx.layer = layer
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            detached = x.detach().requires_grad_()
+            (grad_x,) = torch.autograd.grad(ctx.layer(detached), [detached], grad)
+        return grad_x, None
+
+
+class ForgetsWeightGrads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(InputOnlyRecompute.apply(x, self.inner))
+
+
+def test_nodes_that_never_run_have_no_statistics():
+    torch.manual_seed(0)
+    model = ForgetsWeightGrads()
+    result = trace(model, (torch.randn(2, 4),))
+    never_ran = [n for n in result.nodes if n.order is None]
+    assert {n.param for n in never_ran if n.param} == {"inner.weight", "inner.bias"}
+    assert [n.module for n in never_ran if n.name == "TBackward0"] == ["inner"]
+    for node in result.nodes:
+        if node.order is None:
+            assert node.grad_inputs is None and node.grad_outputs is None, node.label()
+            assert node.runs == 0 and not node.executed
+        else:
+            assert node.grad_outputs is not None and node.grad_inputs is not None, node.label()
+    # the recomputed layer's matmul did run (for the input's gradient)
+    inner_addmm = one(result, "AddmmBackward0", module="inner")
+    assert inner_addmm.order is not None
+    assert inner_addmm.created_in == one(result, "InputOnlyRecomputeBackward").id
+    assert set(result.params_without_grad) == {"inner.weight", "inner.bias"}
+    summary = result.summary()
+    assert summary["executed"] == len(result.nodes) - len(never_ran)
+    assert model.inner.weight.grad is None
+
+
+def test_unused_side_branch_of_a_reentrant_checkpoint():
+    """The recompute also builds a side branch the loss never used: it must not count as run."""
+
+    class SideBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.main = nn.Linear(4, 4)
+            self.side = nn.Linear(4, 4)
+
+        def block(self, h):
+            self.last_side = self.side(h).exp()  # computed, never used by the loss
+            return torch.tanh(self.main(h))
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=True).sum()
+
+    torch.manual_seed(0)
+    model = SideBranch()
+    result = trace(model, (torch.randn(2, 4),))
+    for node in result.nodes:
+        assert (node.order is None) == (node.grad_outputs is None) == (node.grad_inputs is None), node.label()
+    assert result.leaf("main.weight").order is not None
+    assert result.leaf("main.weight").module == "main"
+    assert set(result.params_without_grad) == {"side.weight", "side.bias"}
+    assert all(n.order is None for n in result.nodes if n.module == "side")
+
+
+# Loss rule --------------------------------------------------------------------------
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+        self.b = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.a(x), self.b(x), x.argmax(-1)
+
+
+@dataclasses.dataclass
+class DataclassOut:
+    logits: torch.Tensor
+    aux: torch.Tensor
+    count: int = 0
+
+
+class WithLossAttr:
+    def __init__(self, logits, loss):
+        self.logits = logits
+        self.loss = loss
+
+
+@pytest.fixture
+def x3():
+    torch.manual_seed(0)
+    return torch.randn(5, 3)
+
+
+def test_loss_fn_is_used(x3):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    result = trace(model, (x3,), loss_fn=lambda out: out.pow(2).mean())
+    assert result.nodes[0].name == "MeanBackward0"
+    assert result.nodes[0].module is None
+    assert result.meta.loss == pytest.approx(float(model(x3).detach().pow(2).mean()))
+    assert "loss_fn" in result.meta.loss_rule
+
+
+def test_tuple_output_sums_floating_tensors(x3):
+    torch.manual_seed(0)
+    model = Pair()
+    result = trace(model, (x3,))
+    with torch.no_grad():
+        a, b, _ = model(x3)
+    assert result.meta.loss == pytest.approx(float(a.sum() + b.sum()), rel=1e-5)
+    root = result.nodes[0]
+    assert root.name == "AddBackward0"
+    assert [result.nodes[j].name for j in root.next] == ["SumBackward0", "SumBackward0"]
+    assert {result.nodes[j].module for j in root.next} == {None}
+
+
+class ReturnsDataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x):
+        logits = self.linear(x)
+        return DataclassOut(logits=logits, aux=logits.tanh(), count=3)
+
+
+class ReturnsLossAttr(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x):
+        logits = self.linear(x)
+        return WithLossAttr(logits, F.mse_loss(logits, torch.zeros_like(logits)))
+
+
+class ReturnsLossKey(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x):
+        logits = self.linear(x)
+        return {"logits": logits, "loss": logits.pow(2).mean()}
+
+
+def test_dataclass_output(x3):
+    torch.manual_seed(0)
+    model = ReturnsDataclass()
+    result = trace(model, (x3,))
+    with torch.no_grad():
+        out = model(x3)
+    assert result.meta.loss == pytest.approx(float(out.logits.sum() + out.aux.sum()), rel=1e-5)
+    assert collections.Counter(n.name for n in result.nodes)["SumBackward0"] == 2
+    grads = plain_grads(model, (x3,))
+    assert grads["linear.weight"].norm() > 0
+    assert result.leaf("linear.weight").grad_outputs[0].norm == pytest.approx(
+        float(grads["linear.weight"].norm()), rel=1e-5)
+
+
+def test_loss_attribute_is_used(x3):
+    torch.manual_seed(0)
+    model = ReturnsLossAttr()
+    result = trace(model, (x3,))
+    assert result.nodes[0].name == "MseLossBackward0"
+    assert result.nodes[0].module == ""
+    assert not result.find("SumBackward0")
+    assert result.meta.loss == pytest.approx(float(model(x3).loss.detach()))
+    assert "loss" in result.meta.loss_rule
+
+
+def test_loss_key_is_used(x3):
+    torch.manual_seed(0)
+    model = ReturnsLossKey()
+    result = trace(model, (x3,))
+    assert result.nodes[0].name == "MeanBackward0"
+    assert result.nodes[0].module == ""
+    assert not result.find("SumBackward0")
+    assert result.meta.loss == pytest.approx(float(model(x3)["loss"].detach()))
+
+
+def test_zero_dim_output_is_the_loss():
+    result = trace(lambda x: (x * 3).mean(), (torch.ones(4),))
+    assert result.nodes[0].name == "MeanBackward0"
+    assert result.meta.loss == pytest.approx(3.0)
+
+
+def test_one_element_output_gets_a_sum_node():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x = torch.randn(1, 3)
+    result = trace(model, (x[0],))  # output shape [1]
+    root = result.nodes[0]
+    assert root.name == "SumBackward0"
+    assert shapes(root.grad_inputs) == ((1,),)
+    assert shapes(root.grad_outputs) == ((),)
+    args, _, _ = with_input_grads((x[0],), {})
+    assert collections.Counter(n.name for n in result.nodes) == graph_signature(model(*args).sum())
+
+
+def test_mean_reduction(x3):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    result = trace(model, (x3,), loss_reduction="mean")
+    assert result.nodes[0].name == "MeanBackward0"
+    assert result.meta.loss == pytest.approx(float(model(x3).detach().mean()), rel=1e-5)
+    grads = plain_grads(model, (x3,), reduction="mean")
+    assert result.leaf("weight").grad_outputs[0].norm == pytest.approx(float(grads["weight"].norm()), rel=1e-5)
+
+
+def test_keyword_inputs_are_named(x3):
+    torch.manual_seed(0)
+    model = nn.Bilinear(3, 3, 2)
+    y = torch.randn(5, 3)
+    result = trace(lambda *, left, right: model(left, right), kwargs={"left": x3, "right": y})
+    assert {"input:left", "input:right"} <= {n.param for n in result.nodes}
+    grads = plain_grads(lambda *, left, right: model(left, right), kwargs={"left": x3, "right": y})
+    for key in ("input:left", "input:right"):
+        assert result.leaf(key).grad_outputs[0].norm == pytest.approx(float(grads[key].norm()), rel=1e-5)
+
+
+# Cleanup after failures -----------------------------------------------------------------
+
+
+def global_hook_counts():
+    from torch.nn.modules import module as module_mod
+
+    counts = {
+        name: len(getattr(module_mod, name))
+        for name in dir(module_mod)
+        if name.startswith("_global_") and name.endswith("hooks")
+    }
+    counts["function_modes"] = torch._C._len_torch_function_stack()
+    counts["grad_enabled"] = torch.is_grad_enabled()
+    return counts
+
+
+def module_hook_counts(model):
+    return [
+        (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks), len(m._backward_pre_hooks))
+        for m in model.modules()
+    ]
+
+
+class Faulty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 2)
+        self.fail = True
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.fail:
+            raise RuntimeError("boom in forward")
+        return self.fc2(h)
+
+
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("boom in backward")
+
+
+def test_model_raising_in_forward_leaves_no_trace():
+    torch.manual_seed(0)
+    model = Faulty()
+    model.eval()
+    before = global_hook_counts()
+    x = torch.randn(3, 4)
+    with pytest.raises(Exception) as info:
+        trace(model, (x,), train=True)
+    assert "boom in forward" in str(info.value) or "boom in forward" in repr(info.value.__cause__)
+    assert global_hook_counts() == before
+    assert module_hook_counts(model) == [(0, 0, 0, 0)] * 3
+    assert not model.training and not any(m.training for m in model.modules())
+    assert all(p.grad is None for p in model.parameters())
+    # a plain backward afterwards works and gives the ordinary gradients
+    model.fail = False
+    model(x).sum().backward()
+    reference = Faulty()
+    reference.load_state_dict(model.state_dict())
+    reference.fail = False
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    # and a trace afterwards works
+    model.zero_grad(set_to_none=True)
+    result = trace(model, (x,))
+    assert len(result.find("AddmmBackward0")) == 2
+
+
+def test_model_raising_in_backward_leaves_no_trace():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model.train()
+    before = global_hook_counts()
+    with pytest.raises(Exception) as info:
+        trace(lambda x: FailingBackward.apply(model(x)), (torch.randn(3, 4),), train=False)
+    assert "boom in backward" in str(info.value) or "boom in backward" in repr(info.value.__cause__)
+    assert global_hook_counts() == before
+    assert module_hook_counts(model) == [(0, 0, 0, 0)]
+    assert model.training
+    assert model.weight.grad is None
+    # the AccumulateGrad node is shared by later graphs: it must carry no hook
+    out = model(torch.randn(3, 4)).sum()
+    out.backward()
+    assert model.weight.grad is not None
+
+
+def test_loss_fn_raising_leaves_no_trace():
+    model = nn.Linear(4, 2)
+    before = global_hook_counts()
+
+    def bad_loss(out):
+        raise ValueError("bad loss")
+
+    with pytest.raises(Exception):
+        trace(model, (torch.randn(3, 4),), loss_fn=bad_loss)
+    assert global_hook_counts() == before
+    assert module_hook_counts(model) == [(0, 0, 0, 0)]
+
+
+def test_hooks_removed_after_success_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    before = global_hook_counts()
+    x = torch.randn(2, 4)
+    trace(model, (x,))
+    assert global_hook_counts() == before
+    assert module_hook_counts(model) == [(0, 0, 0, 0)] * 4
+    assert all(p.grad is None for p in model.parameters())
+
+
+# Module attribution --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlp_trace():
+    module = load_sample("mlp")
+    torch.manual_seed(0)
+    model = sample_model(module)
+    x = module.example_inputs()
+    return model, trace(model, (x,))
+
+
+def test_mlp_attribution(mlp_trace):
+    model, result = mlp_trace
+    names = {name for name, _ in model.named_modules()}
+    loss = result.nodes[0]
+    assert loss.name == "SumBackward0" and loss.module is None
+    for node in result.nodes[1:]:
+        if node.param == "input:0":
+            continue  # the input exists before any module runs
+        assert node.module in names, node.label()
+    addmms = result.find("AddmmBackward0")
+    assert sorted(n.module for n in addmms) == ["fc1", "fc2", "fc3"]
+    for addmm in addmms:
+        transposes = [result.nodes[j] for j in addmm.next if j is not None and result.nodes[j].name == "TBackward0"]
+        assert len(transposes) == 1
+        assert transposes[0].module == addmm.module
+        weight_leaf = result.nodes[transposes[0].next[0]]
+        assert weight_leaf.param == f"{addmm.module}.weight"
+    assert sorted(n.module for n in result.find("ReluBackward0")) == ["act1", "act2"]
+    assert result.leaf("fc1.weight").module == "fc1"
+    assert result.leaf("fc1.bias").module == "fc1"
+    assert result.leaf("fc3.weight").module == "fc3"
+
+
+def test_sequential_attribution():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 3), nn.Tanh()))
+    result = trace(model, (torch.randn(2, 5),))
+    assert result.nodes[0].module is None
+    assert {n.name: n.module for n in result.nodes if n.name in ("ReluBackward0", "TanhBackward0")} == {
+        "ReluBackward0": "1", "TanhBackward0": "2.1",
+    }
+    assert sorted(n.module for n in result.find("AddmmBackward0")) == ["0", "2.0"]
+    assert sorted(n.module for n in result.find("TBackward0")) == ["0", "2.0"]
+    assert result.leaf("0.weight").module == "0"
+    assert result.leaf("2.0.bias").module == "2.0"
+
+
+def test_root_functional_ops_belong_to_the_root():
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return torch.sigmoid(self.fc(x)) * 2
+
+    torch.manual_seed(0)
+    result = trace(Root(), (torch.randn(2, 3),))
+    assert one(result, "SigmoidBackward0").module == ""
+    assert one(result, "MulBackward0").module == ""
+    assert one(result, "AddmmBackward0").module == "fc"
+
+
+def test_module_called_twice_attributes_both_uses():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+            self.out = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.fc(torch.relu(self.fc(x)))))
+
+    torch.manual_seed(0)
+    model = Twice()
+    x = torch.randn(2, 3)
+    result = trace(model, (x,))
+    assert sorted(n.module for n in result.find("AddmmBackward0")) == ["fc", "fc", "out"]
+    assert sorted(n.module for n in result.find("ReluBackward0")) == ["", ""]
+    leaf = result.leaf("fc.weight")
+    assert leaf.runs == 1  # one backward: both uses are summed before AccumulateGrad runs
+    assert leaf.grad_outputs[0].norm == pytest.approx(float(plain_grads(model, (x,))["fc.weight"].norm()), rel=1e-5)
