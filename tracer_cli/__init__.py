@@ -5,6 +5,7 @@ The public API is imported lazily so that ``gradtrace --help`` never imports tor
     from tracer_cli import trace
     result = trace(model, (x,))
     print(result.summary())
+    rich.print(render_trace(result))
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["trace", "Trace", "Node", "GradStat", "render_tree", "__version__"]
+__all__ = ["trace", "Trace", "Node", "GradStat", "render_trace", "__version__"]
 
 if TYPE_CHECKING:
     from .records import GradStat, Node, Trace
-    from .render.tree import render_tree
+    from .render.tree import render_trace
     from .tracing import trace
 
 _LAZY = {
@@ -24,7 +25,7 @@ _LAZY = {
     "Trace": ("records", "Trace"),
     "Node": ("records", "Node"),
     "GradStat": ("records", "GradStat"),
-    "render_tree": ("render.tree", "render_tree"),
+    "render_trace": ("render.tree", "render_trace"),
 }
 
 

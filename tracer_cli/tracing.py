@@ -28,6 +28,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import replace
 from typing import Any, Callable, Iterable, NamedTuple
 
 from .errors import InternalError, ModelError, UserCodeError
@@ -376,8 +377,8 @@ class _TraceSession:
                 values[p] = value
         return values
 
-    def finish(self, meta: Meta) -> Trace:
-        """Read the statistics back and build the frozen Trace."""
+    def finish(self, meta: Meta, loss: Any) -> Trace:
+        """Read the statistics (and the loss value) back in one transfer and build the frozen Trace."""
         if self.errors:
             raise InternalError("a gradtrace hook failed during backward:\n" + self.errors[0])
         for state in self.states:  # creators come before what they create
@@ -394,7 +395,9 @@ class _TraceSession:
 
         keep = self._kept_ids()
         new_id = {old: new for new, old in enumerate(keep)}
+        self.norms.append(loss.detach().reshape(()).to(self.norms[0].dtype if self.norms else loss.dtype))
         norms = self._read_norms()
+        meta = replace(meta, loss=norms.pop())
 
         def stat(pending: _PendingStat | None) -> GradStat | None:
             if pending is None:
@@ -597,14 +600,14 @@ def trace(
             target=target or _describe_model(model),
             torch=torch.__version__,
             device=str(loss.device),
-            loss=float(loss.detach().float()),
+            loss=None,  # read back with the statistics
             loss_rule=loss_rule,
             inputs=tuple(input_infos),
             seed=seed,
             training=_training_flag(modules),
             module_types={name: type(module).__name__ for name, module in modules},
         )
-        result = session.finish(meta)
+        result = session.finish(meta, loss)
         timings = {
             "forward": forward_done - started,
             "backward": backward_done - backward_start,

@@ -1,0 +1,151 @@
+"""Library-level guarantees of trace(): interrupts, no retained tensors, GC state, create_graph, CUDA syncs."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from tracer_cli import trace
+from tracer_cli.errors import ModelError
+
+from .reference import plain_grads
+
+
+class Interrupting(nn.Module):
+    def __init__(self, where: str):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.where = where
+
+    def forward(self, x):
+        if self.where == "forward":
+            raise KeyboardInterrupt
+        return Interrupt.apply(self.fc(x)).sum()
+
+
+class Interrupt(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_interrupt_propagates_and_leaves_the_model_clean(where):
+    model = Interrupting(where)
+    model.eval()
+    modes_before = torch._C._len_torch_function_stack()
+    with pytest.raises(KeyboardInterrupt):
+        trace(model, torch.randn(2, 3), train=True)
+    assert not model.training
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert torch._C._len_torch_function_stack() == modes_before
+    assert model.fc.weight.grad is None
+    assert gc.isenabled()
+
+
+def test_no_tensor_or_graph_is_retained():
+    activations: list[weakref.ref] = []
+
+    class Remember(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(x))
+            activations.append(weakref.ref(h))
+            return h.sum()
+
+    model = Remember()
+    result = trace(model, torch.randn(8, 4))
+    gc.collect()
+    assert activations and activations[0]() is None
+    assert len(result.nodes) > 0
+    # the record is plain data: nothing in it is a tensor
+    stack = [result.to_dict()]
+    while stack:
+        value = stack.pop()
+        assert not isinstance(value, torch.Tensor)
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+
+
+def test_gc_state_is_restored():
+    model = nn.Linear(2, 2)
+    gc.disable()
+    try:
+        trace(model, torch.randn(1, 2))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    trace(model, torch.randn(1, 2))
+    assert gc.isenabled()
+
+
+def test_gradient_penalty_with_create_graph_inside_forward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def penalised(x):
+        x = x.detach().requires_grad_()
+        out = model(x)
+        (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return out.sum() + grad_x.pow(2).sum()
+
+    x = torch.randn(5, 3)
+    result = trace(penalised, x)
+    assert all(p.grad is None for p in model.parameters())
+    penalised(x).backward()  # the plain run
+    for name, param in model.named_parameters():
+        leaf = result.leaf(f"model.{name}")  # a plain function's modules are named by variable
+        assert leaf.grad_outputs[0].norm == pytest.approx(float(param.grad.norm()), rel=1e-4)
+        assert leaf.module == f"model.{name}".rpartition(".")[0]
+
+
+def test_loss_without_grad_is_a_model_error():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ModelError, match="does not require grad"):
+        with torch.no_grad():
+            trace(model, torch.randn(1, 2))
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_per_node_on_cuda(monkeypatch):  # pragma: no cover - runs where a GPU is available
+    """Forward, hooks and backward never synchronise; statistics are read back once, at the end."""
+    from tracer_cli import tracing
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(20)]).cuda()
+    x = torch.randn(16, 64, device="cuda")
+    reads = []
+    original = tracing._TraceSession._read_norms
+
+    def read_norms(self):
+        torch.cuda.set_sync_debug_mode("default")  # the one transfer
+        reads.append(len(self.norms))
+        return original(self)
+
+    monkeypatch.setattr(tracing._TraceSession, "_read_norms", read_norms)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call before the read-back raises
+    try:
+        result = trace(model, x, loss_fn=lambda out: out.pow(2).mean())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(reads) == 1
+    assert result.meta.device.startswith("cuda")
+    assert all(n.order is not None for n in result.nodes)
+    expected = plain_grads(model, (x,), loss_fn=lambda out: out.pow(2).mean())
+    leaf = result.leaf("0.0.weight")
+    assert leaf.grad_outputs[0].norm == pytest.approx(float(expected["0.0.weight"].norm()), rel=1e-4)
