@@ -149,3 +149,19 @@ def test_no_host_sync_per_node_on_cuda(monkeypatch):  # pragma: no cover - runs 
     expected = plain_grads(model, (x,), loss_fn=lambda out: out.pow(2).mean())
     leaf = result.leaf("0.0.weight")
     assert leaf.grad_outputs[0].norm == pytest.approx(float(expected["0.0.weight"].norm()), rel=1e-4)
+
+
+def test_torch_compile_region_is_one_node_and_stays_whole():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = torch.compile(model, backend="aot_eager")  # AOTAutograd without inductor: quick on CPU
+    x = torch.randn(3, 4)
+    result = trace(compiled, x)
+    regions = result.find("CompiledFunctionBackward")
+    assert len(regions) == 1  # no hook inside the compiled module split its graph
+    assert regions[0].module == ""
+    model(x.clone().requires_grad_()).sum().backward()
+    for name, param in model.named_parameters():
+        leaf = result.leaf(f"_orig_mod.{name}")
+        assert leaf.grad_outputs[0].norm == pytest.approx(float(param.grad.norm()), rel=1e-5)
+    torch._dynamo.reset()

@@ -163,7 +163,14 @@ class _ModuleTracker:
             self.bound_modules.append(self.current())
 
     def install(self) -> None:
+        # Hooks inside a torch.compile'd module would break its graph (and change what the user
+        # compiled): hook the compiled wrapper only, which runs eagerly, and attribute its nodes to it.
+        import torch.nn as nn
+
+        compiled = [name for name, module in self._modules if isinstance(getattr(module, "_orig_mod", None), nn.Module)]
         for name, module in self._modules:
+            if any(_is_descendant(name, prefix) for prefix in compiled):
+                continue
             self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, name)))
             self._handles.append(
                 module.register_forward_hook(functools.partial(self._exit, name), always_call=True)
@@ -199,6 +206,13 @@ class _ModuleTracker:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _is_descendant(path: str, ancestor: str) -> bool:
+    """Whether module ``path`` lies strictly inside module ``ancestor``."""
+    if ancestor == "":
+        return path != ""
+    return path.startswith(ancestor + ".")
 
 
 class _NodeState:
