@@ -137,6 +137,9 @@ class _ModuleTracker:
     """Module forward hooks: the active-module stack and the sequence-number boundaries."""
 
     def __init__(self, modules: list[tuple[str, Any]]):
+        import torch
+
+        self._next_sequence_nr = torch._C._autograd._get_sequence_nr  # per thread, like _sequence_nr()
         self._modules = modules
         self._local = threading.local()
         self._handles: list[Any] = []
@@ -157,9 +160,7 @@ class _ModuleTracker:
 
     def _mark(self) -> None:
         if threading.get_ident() == self._record_thread:
-            import torch
-
-            self.bound_seqs.append(torch._C._autograd._get_sequence_nr())
+            self.bound_seqs.append(self._next_sequence_nr())
             self.bound_modules.append(self.current())
 
     def install(self) -> None:
@@ -320,10 +321,13 @@ class _TraceSession:
 
     # --- hooks -------------------------------------------------------------------
     def _on_custom_start(self, node_id: int, grad_outputs: Any) -> None:
-        mode = self._mode_class(self)
-        mode.__enter__()
-        self.modes.append(mode)
-        self.running_custom.append(node_id)
+        try:
+            mode = self._mode_class(self)
+            mode.__enter__()
+            self.modes.append(mode)
+            self.running_custom.append(node_id)
+        except Exception:  # never break the user's backward; report after it
+            self.errors.append(traceback.format_exc())
 
     def _end_custom(self, node_id: int) -> None:
         if self.running_custom and self.running_custom[-1] == node_id:
