@@ -1,9 +1,9 @@
 """A hand-written ``torch.autograd.Function`` (``MyLinear``) inside an nn.Module.
 
 Shows a custom Function's node (``MyLinearBackward``) beside the built-in ones:
-its grad_outputs (the gradient of its output) and grad_inputs (one per forward
-input: x, weight, bias, and None for the float ``scale`` and the bool
-``transpose``, which are not tensors). The backward is exact, so the traced
+its grad_outputs (the gradient of its output) and grad_inputs (one per tensor
+input: x, weight, bias; the float ``scale`` and the bool ``transpose`` are not
+tensors, so the node has no gradient slot for them). The backward is exact, so the traced
 norms match a plain ``loss.backward()``. ``loss_fn`` takes the mean square of
 the output.
 
