@@ -165,3 +165,42 @@ def test_torch_compile_region_is_one_node_and_stays_whole():
         leaf = result.leaf(f"_orig_mod.{name}")
         assert leaf.grad_outputs[0].norm == pytest.approx(float(param.grad.norm()), rel=1e-5)
     torch._dynamo.reset()
+
+
+def test_forward_stats_are_the_norms_of_each_op_output():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    result = trace(model, x, forward_stats=True)
+    with torch.no_grad():  # the independent forward
+        hidden = model[0](x)
+        activated = model[1](hidden)
+        out = model[2](activated)
+    expected = {
+        ("AddmmBackward0", "0"): hidden.norm(),
+        ("ReluBackward0", "1"): activated.norm(),
+        ("AddmmBackward0", "2"): out.norm(),
+        ("SumBackward0", None): out.sum().abs(),
+    }
+    for (name, module), value in expected.items():
+        (node,) = result.find(name, module=module) if module is not None else result.find(name)
+        assert node.forward.norm == pytest.approx(float(value), rel=1e-6)
+    for name, param in model.named_parameters():
+        assert result.leaf(name).forward.norm == pytest.approx(float(param.norm()), rel=1e-6)
+    assert result.leaf("input:0").forward.norm == pytest.approx(float(x.norm()), rel=1e-6)
+    # nodes made inside an op (F.linear's TBackward0) have no forward value of their own
+    assert all(n.forward is None for n in result.find("TBackward0"))
+    # off by default
+    assert all(n.forward is None for n in trace(model, x).nodes)
+
+
+def test_param_grads_are_the_grads_after_backward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    result = trace(model, x)
+    model(x).sum().backward()
+    recorded = dict(result.param_grads)
+    assert set(recorded) == {name for name, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        assert recorded[name].norm == pytest.approx(float(param.grad.norm()), rel=1e-6)

@@ -38,7 +38,7 @@ def decode_float(value: float | int | str | None) -> float | None:
 
 @dataclass(frozen=True)
 class GradStat:
-    """Statistics of one gradient tensor.
+    """Statistics of one tensor: a gradient, or a forward value.
 
     Attributes:
         shape: the tensor's shape.
@@ -155,6 +155,9 @@ class Node:
         created_in: id of the node whose backward created this node (reentrant
             checkpointing recomputes its forward during backward); else ``None``.
         calls: every run, when the node ran more than once in one backward.
+        forward: statistics of the forward value the node's op produced (for a
+            leaf: the parameter or input itself), when recorded; ``None`` for
+            nodes made inside an op, or when forward statistics were off.
     """
 
     id: int
@@ -168,6 +171,7 @@ class Node:
     created: int | None = None
     created_in: int | None = None
     calls: tuple[NodeCall, ...] = ()
+    forward: GradStat | None = None
 
     @property
     def runs(self) -> int:
@@ -237,6 +241,8 @@ class Node:
         if self.calls:
             out["runs"] = self.runs
             out["calls"] = [call.to_dict() for call in self.calls]
+        if self.forward is not None:
+            out["forward"] = self.forward.to_dict()
         return out
 
     @classmethod
@@ -253,6 +259,7 @@ class Node:
             created=data.get("created"),
             created_in=data.get("created_in"),
             calls=tuple(NodeCall.from_dict(c) for c in data.get("calls", ())),
+            forward=GradStat.from_dict(data["forward"]) if data.get("forward") else None,
         )
 
 
@@ -330,11 +337,14 @@ class Trace:
         nodes: every node reachable from the loss (and any created during backward),
             indexed by ``id``.
         params_without_grad: parameters that require grad but received none.
+        param_grads: each parameter's ``.grad`` after backward returned (under DDP,
+            averaged across ranks; hooks see each rank's own contribution), by name.
     """
 
     meta: Meta
     nodes: tuple[Node, ...]
     params_without_grad: tuple[str, ...] = ()
+    param_grads: tuple[tuple[str, GradStat | None], ...] = ()
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
@@ -408,6 +418,7 @@ class Trace:
             "schema": SCHEMA,
             "meta": self.meta.to_dict(),
             "nodes": [n.to_dict() for n in self.nodes],
+            "param_grads": {name: None if stat is None else stat.to_dict() for name, stat in self.param_grads},
             "summary": self.summary(),
         }
 
@@ -425,6 +436,12 @@ class Trace:
             meta=Meta.from_dict(data["meta"]),
             nodes=tuple(Node.from_dict(n) for n in data["nodes"]),
             params_without_grad=tuple(data.get("summary", {}).get("params_without_grad", ())),
+            param_grads=tuple(
+                sorted(
+                    (name, None if stat is None else GradStat.from_dict(stat))
+                    for name, stat in data.get("param_grads", {}).items()
+                )
+            ),
         )
 
     def with_meta(self, **changes: Any) -> Trace:

@@ -22,8 +22,10 @@ How it works (see AUTOGRAD_FACTS.md for the measurements behind each choice):
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import gc
+import math
 import threading
 import time
 import traceback
@@ -217,7 +219,9 @@ def _is_descendant(path: str, ancestor: str) -> bool:
 
 
 class _NodeState:
-    __slots__ = ("node", "name", "seq", "module", "param", "next", "calls", "in_backward", "created_in", "variable")
+    __slots__ = (
+        "node", "name", "seq", "module", "param", "next", "calls", "in_backward", "created_in", "variable", "forward"
+    )
 
     def __init__(self, node: Any, in_backward: bool):
         self.node = node
@@ -231,6 +235,7 @@ class _NodeState:
         self.calls: list[tuple[int, tuple, tuple]] = []
         self.in_backward = in_backward
         self.created_in: int | None = None
+        self.forward: _PendingStat | None = None
 
 
 def _discovery_mode_class() -> type:
@@ -249,6 +254,24 @@ def _discovery_mode_class() -> type:
             return output
 
     return _DiscoveryMode
+
+
+def _forward_mode_class() -> type:
+    from torch.overrides import TorchFunctionMode
+
+    class _ForwardValueMode(TorchFunctionMode):
+        """Records a statistic of each op's output, keyed by the node the op created."""
+
+        def __init__(self, session: _TraceSession):
+            super().__init__()
+            self.session = session
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            output = func(*args, **(kwargs or {}))
+            self.session.record_forward(output)
+            return output
+
+    return _ForwardValueMode
 
 
 class _TraceSession:
@@ -271,6 +294,10 @@ class _TraceSession:
         self.running_custom: list[int] = []
         self.modes: list[Any] = []
         self._mode_class = _discovery_mode_class()
+        self.forward_stats = False
+        # id(node) -> (node, pending stat of the forward value it produced); the node is kept so its id stays its own
+        self.forward_values: dict[int, tuple[Any, _PendingStat]] = {}
+        self.param_grads: list[tuple[str, _PendingStat]] = []
 
     # --- discovery -------------------------------------------------------------
     def discover(self, roots: Iterable[Any], in_backward: bool = False) -> None:
@@ -296,6 +323,13 @@ class _TraceSession:
         self.states.append(state)
         if in_backward:
             state.created_in = self.running_custom[-1] if self.running_custom else None
+        if self.forward_stats:
+            if state.variable is not None:  # a leaf's forward value is the tensor itself
+                with self._torch.no_grad():
+                    state.forward = self._queue_stat(state.variable.detach())
+            else:
+                recorded = self.forward_values.get(id(node))
+                state.forward = None if recorded is None else recorded[1]
         if state.variable is not None:
             leaf = self.leaves.get(id(state.variable))
             if leaf is not None:
@@ -310,6 +344,33 @@ class _TraceSession:
 
     def _is_custom_function(self, node: Any) -> bool:
         return isinstance(node, self._torch.autograd.function.BackwardCFunction)
+
+    def record_forward(self, output: Any) -> None:
+        """Queue the norm of an op's output tensors under the node that produced them."""
+        try:
+            grouped: dict[int, list[Any]] = {}
+            for tensor in _tensors_in(output, self._torch.Tensor):
+                grad_fn = tensor.grad_fn
+                if grad_fn is not None:
+                    grouped.setdefault(id(grad_fn), [grad_fn]).append(tensor)
+            with self._torch.no_grad():
+                for key, (grad_fn, *tensors) in grouped.items():
+                    self.forward_values[key] = (grad_fn, self._queue_values(tensors))
+        except Exception:  # never break the user's forward; report after it
+            self.errors.append(traceback.format_exc())
+
+    def _queue_values(self, tensors: list[Any]) -> _PendingStat | None:
+        """One statistic for the outputs of one node (a multi-output op has several)."""
+        if len(tensors) == 1:
+            return self._queue_stat(tensors[0].detach())
+        stats = [self._queue_stat(t.detach()) for t in tensors]
+        torch = self._torch
+        norms = [self.norms[stat[3]] for stat in stats if stat is not None and stat[3] is not None]
+        if len(norms) != len(stats):
+            return None
+        self.norms.append(torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms])))
+        first = stats[0]
+        return ((sum(math.prod(st[0]) for st in stats),), first[1], first[2], len(self.norms) - 1)
 
     def discover_in_backward(self, output: Any) -> None:
         try:
@@ -395,6 +456,13 @@ class _TraceSession:
                 values[p] = value
         return values
 
+    def record_param_grads(self) -> None:
+        """Queue each parameter's ``.grad`` as backward left it (under DDP: averaged across ranks)."""
+        with self._torch.no_grad():
+            for leaf in self.leaves.values():
+                if leaf.tensor.grad is not None:
+                    self.param_grads.append((leaf.name, self._queue_stat(leaf.tensor.grad)))
+
     def finish(self, meta: Meta, loss: Any) -> Trace:
         """Read the statistics (and the loss value) back in one transfer and build the frozen Trace."""
         if self.errors:
@@ -454,6 +522,7 @@ class _TraceSession:
                     created=created.get(old),
                     created_in=None if state.created_in is None else new_id.get(state.created_in),
                     calls=calls if len(calls) > 1 else (),
+                    forward=stat(state.forward),
                 )
             )
         with_grad = {
@@ -462,7 +531,8 @@ class _TraceSession:
         missing = tuple(
             leaf.name for leaf in self.leaves.values() if leaf.tensor.requires_grad and leaf.name not in with_grad
         )
-        return Trace(meta=meta, nodes=tuple(nodes), params_without_grad=missing)
+        param_grads = tuple(sorted((name, stat(pending)) for name, pending in self.param_grads))
+        return Trace(meta=meta, nodes=tuple(nodes), params_without_grad=missing, param_grads=param_grads)
 
     def _kept_ids(self) -> list[int]:
         """Forward nodes, plus backward-created nodes that ran or are reachable from one that ran.
@@ -500,6 +570,7 @@ class _TraceSession:
             state.next = []
         self.index.clear()
         self.norms.clear()
+        self.forward_values.clear()
 
 
 def _mixed_dtypes(tensors: list[Any], positions: list[int]) -> bool:
@@ -530,6 +601,9 @@ def trace(
     train: bool | None = None,
     target: str | None = None,
     seed: int | None = None,
+    forward_stats: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Trace:
     """Run ``model(*args, **kwargs)`` and its backward with a hook on every graph node.
 
@@ -548,6 +622,10 @@ def trace(
             the model is in. The mode is restored afterwards.
         target: how to name the model in ``meta.target``.
         seed: recorded in ``meta.seed`` (seeding is the caller's job).
+        forward_stats: also record, per node, the norm of the forward value its op
+            produced (``Node.forward``), for comparing runs or ranks. Costs a
+            Python call per op in forward, so it is off by default.
+        rank, world_size: recorded in ``meta`` (set under torchrun).
 
     Returns:
         A frozen :class:`~tracer_cli.records.Trace` of plain numbers and strings.
@@ -582,12 +660,14 @@ def trace(
                     module.train(train)
         tracker.install()
         tracker.start_recording()
-        try:
-            output = model(*args, **kwargs)
-        except Exception as exc:
-            phase = "the model's forward" + _failing_module(exc, modules)
-            raise UserCodeError(phase, exc, hint=_input_hint(input_infos)) from exc
-        loss, loss_rule = compute_loss(output, loss_fn, loss_reduction)
+        session.forward_stats = forward_stats
+        with _forward_mode_class()(session) if forward_stats else contextlib.nullcontext():
+            try:
+                output = model(*args, **kwargs)
+            except Exception as exc:
+                phase = "the model's forward" + _failing_module(exc, modules)
+                raise UserCodeError(phase, exc, hint=_input_hint(input_infos)) from exc
+            loss, loss_rule = compute_loss(output, loss_fn, loss_reduction)
         tracker.stop_recording()
         forward_done = time.perf_counter()
         if loss.grad_fn is None:
@@ -614,6 +694,7 @@ def trace(
             raise UserCodeError("backward", exc) from exc
         backward_done = time.perf_counter()
         session.close()
+        session.record_param_grads()
         meta = Meta(
             target=target or _describe_model(model),
             torch=torch.__version__,
@@ -622,6 +703,8 @@ def trace(
             loss_rule=loss_rule,
             inputs=tuple(input_infos),
             seed=seed,
+            rank=rank,
+            world_size=world_size,
             training=_training_flag(modules),
             module_types={name: type(module).__name__ for name, module in modules},
         )
