@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..records import Trace
+from ..records import SCHEMA, Trace
 
 
 def dumps(trace: Trace) -> str:
@@ -20,3 +20,14 @@ def dumps(trace: Trace) -> str:
 def loads(text: str) -> Trace:
     """Read a document written by :func:`dumps` (or ``Trace.to_dict``)."""
     return Trace.from_dict(json.loads(text))
+
+
+def dumps_merged(traces: list[Trace], comparison: dict) -> str:
+    """The merged file of a torchrun job: every rank's trace and the comparison."""
+    document = {
+        "schema": SCHEMA,
+        "world_size": len(traces),
+        "ranks": [t.to_dict() for t in traces],
+        "comparison": comparison,
+    }
+    return json.dumps(document, allow_nan=False, sort_keys=True) + "\n"

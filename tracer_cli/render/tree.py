@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -43,12 +43,14 @@ class TreeOptions:
         depth: module (or graph branch) nesting shown; deeper levels are summarised.
         pattern: a regular expression; only nodes whose name, module or parameter
             match are shown.
+        marks: node id → a note shown in red on its line (e.g. a divergence).
     """
 
     view: str = "modules"
     max_nodes: int | None = DEFAULT_MAX_NODES
     depth: int | None = None
     pattern: str | None = None
+    marks: Mapping[int, str] = field(default_factory=dict)
 
 
 def short_name(name: str) -> str:
@@ -67,9 +69,10 @@ def format_norm(norm: float | None) -> str:
 
 
 class _Styler:
-    """Picks the style of a norm: non-finite red, zero dim, the largest highlighted."""
+    """Picks the style of a norm (non-finite red, zero dim, the largest highlighted); holds the marks."""
 
-    def __init__(self, trace: Trace, top: int = 3):
+    def __init__(self, trace: Trace, marks: Mapping[int, str] | None = None, top: int = 3):
+        self.marks = marks or {}
         norms = sorted(
             {
                 stat.norm
@@ -113,7 +116,15 @@ def _stats_text(label: str, stats: Iterable[GradStat | None], styler: _Styler) -
 
 
 def node_line(node: Node, styler: _Styler, *, show_module: bool) -> Text:
-    """One node: id, name, parameter or module, grad_in and grad_out."""
+    """One node: id, name, parameter or module, grad_in and grad_out, and its mark if it has one."""
+    text = _node_text(node, styler, show_module=show_module)
+    mark = styler.marks.get(node.id)
+    if mark:
+        text.append(f"  {mark}", style=_NONFINITE)
+    return text
+
+
+def _node_text(node: Node, styler: _Styler, *, show_module: bool) -> Text:
     kind = node.nonfinite_kind
     text = Text(f"#{node.id} ", style="dim")
     text.append(short_name(node.name), style=_NONFINITE if kind else "bold")
@@ -340,7 +351,7 @@ def render_tree(trace: Trace, options: TreeOptions | None = None) -> tuple[Tree,
     options = options or TreeOptions()
     if options.view not in VIEWS:
         raise ValueError(f"unknown view {options.view!r}; expected one of {', '.join(VIEWS)}")
-    styler = _Styler(trace)
+    styler = _Styler(trace, options.marks)
     budget = _Budget(options.max_nodes)
     build = _module_tree if options.view == "modules" else _graph_tree
     return build(trace, options, styler, budget), budget.hidden

@@ -1,0 +1,240 @@
+"""Compare traces node by node (ranks of one job, or two runs) and find where they first diverge.
+
+``compare(traces)`` returns a plain dict (the ``comparison`` block of a merged
+JSON file). The *origin* of a disagreement is reported, not merely the first
+node that differs downstream of it:
+
+* structure: the graphs differ; the first node, in creation order, that does
+  not align (a rank made an extra or a different node).
+* forward: the earliest-created node whose forward value differs while the
+  values of its inputs agree (leaves first: a parameter that differs is its
+  own origin).
+* backward: the first node in execution order whose grad_outputs and forward
+  value agree but whose grad_inputs differ (a backward that misbehaves).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any, Iterable, Sequence
+
+from .records import GradStat, Node, Trace, encode_float
+
+DEFAULT_RTOL = 1e-5
+DEFAULT_ATOL = 1e-12  # the absolute floor: norms this close count as equal whatever their size
+
+
+def values_differ(values: Sequence[float | None], rtol: float, atol: float) -> bool:
+    """Whether norms from several traces disagree (None, NaN and infinities must match exactly)."""
+    if any(v is None for v in values):
+        return any(v is not None for v in values)
+    finite = [math.isfinite(v) for v in values]
+    if not all(finite):
+        return len({v if not math.isnan(v) else "nan" for v in values}) > 1
+    low, high = min(values), max(values)
+    return high - low > atol + rtol * max(abs(low), abs(high))
+
+
+def relative_spread(values: Sequence[float | None]) -> float | None:
+    """``(max - min) / max(|v|)`` over finite values; inf when non-finite values disagree."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if len(present) != len(values) or not all(math.isfinite(v) for v in present):
+        return 0.0 if len({repr(v) for v in values}) == 1 else math.inf
+    scale = max(abs(v) for v in present)
+    return 0.0 if scale == 0 else (max(present) - min(present)) / scale
+
+
+def _norm(stat: GradStat | None) -> float | None:
+    return None if stat is None else stat.norm
+
+
+def _slots(stats: Iterable[GradStat | None] | None) -> list[float | None]:
+    return [_norm(s) for s in (stats or ())]
+
+
+def _slots_differ(nodes: Sequence[Node], side: str, rtol: float, atol: float) -> bool:
+    rows = [_slots(getattr(n, side)) for n in nodes]
+    if len({len(r) for r in rows}) > 1:
+        return True
+    return any(values_differ(column, rtol, atol) for column in zip(*rows))
+
+
+def _signature(node: Node) -> tuple:
+    return (node.name, node.module, node.param, node.next)
+
+
+def _creation_sequence(trace: Trace) -> list[Node]:
+    """Nodes in creation order: leaves (by parameter name) first, then by ``created``."""
+    leaves = sorted((n for n in trace.nodes if n.created is None), key=lambda n: (n.param or "", n.id))
+    made = sorted((n for n in trace.nodes if n.created is not None), key=lambda n: n.created)
+    return leaves + made
+
+
+def _describe(node: Node, kind: str, ranks: list[int]) -> dict[str, Any]:
+    return {"id": node.id, "name": node.name, "module": node.module, "param": node.param, "kind": kind, "ranks": ranks}
+
+
+def _structure_origin(traces: Sequence[Trace], labels: list[int]) -> dict[str, Any] | None:
+    sequences = [_creation_sequence(t) for t in traces]
+    longest = max(len(s) for s in sequences)
+    for position in range(longest):
+        keys = [(s[position].name, s[position].module, s[position].param) if position < len(s) else None for s in sequences]
+        if len(set(keys)) == 1:
+            continue
+        reference = Counter(keys).most_common(1)[0][0] if len(traces) > 2 else keys[0]
+        differing = [i for i, key in enumerate(keys) if key != reference]
+        culprit = next((i for i in differing if position < len(sequences[i])), 0)
+        return _describe(sequences[culprit][position], "structure", [labels[i] for i in differing])
+    # same nodes in the same creation order: the edges (or ids) may still differ
+    for position in range(longest):
+        nodes = [s[position] for s in sequences]
+        if len({(n.id, *_signature(n)) for n in nodes}) > 1:
+            return _describe(nodes[-1], "structure", [labels[i] for i in range(1, len(nodes))])
+    return None
+
+
+def _forward_origin(traces: Sequence[Trace], labels: list[int], rtol: float, atol: float) -> dict[str, Any] | None:
+    reference = traces[0]
+    count = len(reference.nodes)
+    known = [all(t.nodes[i].forward is not None for t in traces) for i in range(count)]
+    differs = [
+        known[i] and values_differ([t.nodes[i].forward.norm for t in traces], rtol, atol) for i in range(count)
+    ]
+    def inputs_agree(node_id: int) -> bool:
+        """Whether every value flowing into the node agrees, looking through nodes with no recorded value."""
+        stack, seen = list(reference.nodes[node_id].next), set()
+        while stack:
+            child = stack.pop()
+            if child is None or child in seen:
+                continue
+            seen.add(child)
+            if known[child]:
+                if differs[child]:
+                    return False
+            else:
+                stack.extend(reference.nodes[child].next)
+        return True
+
+    for node in _creation_sequence(reference):
+        if differs[node.id] and inputs_agree(node.id):
+            ranks = _differing_ranks([t.nodes[node.id].forward.norm for t in traces], labels, rtol, atol)
+            return _describe(node, "forward", ranks)
+    return None
+
+
+def _backward_origin(traces: Sequence[Trace], labels: list[int], rtol: float, atol: float) -> dict[str, Any] | None:
+    reference = traces[0]
+    for node in reference.executed():
+        nodes = [t.nodes[node.id] for t in traces]
+        if any(n.order is None for n in nodes):
+            continue
+        forward = [_norm(n.forward) for n in nodes]
+        if values_differ(forward, rtol, atol) or _slots_differ(nodes, "grad_outputs", rtol, atol):
+            continue
+        if _slots_differ(nodes, "grad_inputs", rtol, atol):
+            columns = list(zip(*[_slots(n.grad_inputs) for n in nodes]))
+            ranks = sorted({r for column in columns for r in _differing_ranks(list(column), labels, rtol, atol)})
+            return _describe(node, "backward", ranks)
+    return None
+
+
+def _differing_ranks(values: list[float | None], labels: list[int], rtol: float, atol: float) -> list[int]:
+    """The ranks whose value disagrees with the majority (with two, the one that is not first)."""
+    if len(values) <= 2:
+        return labels[1:] if values_differ(values, rtol, atol) else []
+    groups: list[list[int]] = []
+    for index, value in enumerate(values):
+        for group in groups:
+            if not values_differ([values[group[0]], value], rtol, atol):
+                group.append(index)
+                break
+        else:
+            groups.append([index])
+    majority = max(groups, key=len)
+    return [labels[i] for i in range(len(values)) if i not in majority]
+
+
+def compare(
+    traces: Sequence[Trace],
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
+    inputs_differ: bool = False,
+    labels: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Compare traces of the same model (ranks of a job, or two runs).
+
+    Args:
+        traces: two or more traces.
+        rtol: relative tolerance on norms.
+        atol: absolute floor on norms.
+        inputs_differ: the inputs legitimately differ (``--rank-seed``): node values
+            are not compared, only the parameter gradients after backward, which
+            must agree under data parallelism.
+        labels: how to name each trace in ``ranks`` lists (default: ``meta.rank``).
+
+    Returns:
+        The ``comparison`` block: ``first_divergent`` (or None), ``ranks`` (per-trace
+        loss, total parameter gradient norm, non-finite node count), ``nodes`` (per-node
+        relative spreads), ``unsynchronized_params``, ``rtol``, ``atol``, ``note``.
+    """
+    if len(traces) < 2:
+        raise ValueError("compare() needs at least two traces")
+    labels = list(labels) if labels is not None else [t.meta.rank for t in traces]
+    per_rank = []
+    for label, t in zip(labels, traces):
+        summary = t.summary()
+        per_rank.append(
+            {
+                "rank": label,
+                "loss": encode_float(t.meta.loss),
+                "param_grad_norm_total": summary["param_grad_norm_total"],
+                "nonfinite_nodes": summary["nonfinite_nodes"],
+            }
+        )
+    unsynchronized = _unsynchronized_params(traces, rtol, atol)
+    note = None
+    first = _structure_origin(traces, labels)
+    spreads: list[dict[str, Any]] = []
+    if first is not None:
+        note = "the graphs differ: node values are not compared"
+    else:
+        spreads = _node_spreads(traces)
+        if inputs_differ:
+            note = (
+                "inputs differ by rank (--rank-seed): local gradients legitimately differ, so node values are "
+                "not compared; parameter gradients after backward must still agree"
+            )
+        else:
+            first = _forward_origin(traces, labels, rtol, atol) or _backward_origin(traces, labels, rtol, atol)
+    return {
+        "first_divergent": first,
+        "ranks": per_rank,
+        "nodes": spreads,
+        "unsynchronized_params": unsynchronized,
+        "rtol": rtol,
+        "atol": atol,
+        "note": note,
+    }
+
+
+def _node_spreads(traces: Sequence[Trace]) -> list[dict[str, Any]]:
+    spreads = []
+    for node_id in range(len(traces[0].nodes)):
+        nodes = [t.nodes[node_id] for t in traces]
+        entry: dict[str, Any] = {"id": node_id, "forward": encode_float(relative_spread([_norm(n.forward) for n in nodes]))}
+        for side in ("grad_inputs", "grad_outputs"):
+            rows = [_slots(getattr(n, side)) for n in nodes]
+            columns = [relative_spread(list(column)) for column in zip(*rows)] if len({len(r) for r in rows}) == 1 else []
+            present = [c for c in columns if c is not None]
+            entry[side] = encode_float(max(present)) if present else None
+        spreads.append(entry)
+    return spreads
+
+
+def _unsynchronized_params(traces: Sequence[Trace], rtol: float, atol: float) -> list[str]:
+    grads = [dict(t.param_grads) for t in traces]
+    names = sorted(set().union(*grads))
+    return [name for name in names if values_differ([_norm(g.get(name)) for g in grads], rtol, atol)]

@@ -1,0 +1,154 @@
+"""Running under torchrun: rank detection, the process group, gathering traces, the built-in launcher.
+
+torch.distributed is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping, Sequence
+
+from .errors import ExitCode, ModelError, UsageError
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process stands in a torchrun job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def prefix(self) -> str:
+        """The line prefix PyTorch's own logs use."""
+        return f"[rank{self.rank}] "
+
+
+def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo | None:
+    """The torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK), or None outside torchrun.
+
+    Raises:
+        UsageError: the variables are set but are not numbers.
+    """
+    environ = os.environ if environ is None else environ
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        return None
+    try:
+        rank = int(environ["RANK"])
+        world_size = int(environ["WORLD_SIZE"])
+        local_rank = int(environ.get("LOCAL_RANK", rank))
+    except ValueError as exc:
+        raise UsageError(f"cannot read the torchrun environment: {exc}") from exc
+    return RankInfo(rank, world_size, local_rank)
+
+
+class ProcessGroup:
+    """The default process group (created unless the user's code made one) and gradtrace's own gloo group.
+
+    gradtrace's own messages (traces, verdicts) travel on a gloo group, so they work
+    whatever backend the model uses, with ``timeout_s`` so nothing waits forever.
+    """
+
+    def __init__(self, info: RankInfo, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.info = info
+        self.timeout = timedelta(seconds=timeout_s)
+        self.owned = False
+        self.group: Any = None
+
+    def start(self, device: str) -> str:
+        """Join the job; return the device this rank should use (``cuda`` becomes ``cuda:LOCAL_RANK``)."""
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise UsageError("this torch build has no torch.distributed support")
+        if device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise UsageError(f"device {device!r} was asked for, but CUDA is not available here", hint="use --device cpu")
+            device = f"cuda:{self.info.local_rank}"
+            torch.cuda.set_device(self.info.local_rank)
+        if not dist.is_initialized():
+            backend = "nccl" if device.startswith("cuda") else "gloo"
+            dist.init_process_group(backend=backend, timeout=self.timeout)
+            self.owned = True
+        self.group = dist.new_group(backend="gloo", timeout=self.timeout)
+        return device
+
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's ``value`` on rank 0 (None elsewhere).
+
+        Raises:
+            ModelError: another rank went away (it failed, or was stopped).
+        """
+        import torch.distributed as dist
+
+        gathered = [None] * self.info.world_size if self.info.rank == 0 else None
+        try:
+            dist.gather_object(value, gathered, dst=0, group=self.group)
+        except RuntimeError as exc:
+            raise ModelError(f"lost contact with the other ranks: {exc}", hint="look for the error of another rank") from exc
+        return gathered
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def close(self) -> None:
+        """A barrier, then destroy what gradtrace created (gloo sometimes aborts at exit without the barrier)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        dist.barrier(group=self.group)
+        dist.destroy_process_group(None if self.owned else self.group)  # None: the default group and all others
+
+
+def launch(nproc_per_node: int, argv: Sequence[str]) -> int:
+    """Run ``python -m tracer_cli ARGV`` on ``nproc_per_node`` local ranks with torch's elastic launcher.
+
+    The same machinery as ``torchrun --standalone``: rendezvous on a free local port,
+    no restarts; when a worker fails the others are stopped at once.
+
+    Returns:
+        0, or the exit code of the first worker that failed (torchrun would flatten it to 1).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc_per_node < 1:
+        raise UsageError("--nproc-per-node must be at least 1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc_per_node,
+        run_id=f"gradtrace-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks share the cores
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "tracer_cli", *argv)
+    except ChildFailedError as exc:
+        first = min(exc.failures.values(), key=lambda failure: failure.timestamp)
+        code = first.exitcode
+        ranks = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in sorted(exc.failures.items()))
+        sys.stderr.write(f"gradtrace: failed: {ranks}\n")
+        return code if code > 0 else 128 - code if code < 0 else 1
+    except SignalException:
+        return ExitCode.INTERRUPTED
+    return ExitCode.OK

@@ -1,0 +1,80 @@
+"""The terminal view of a cross-rank comparison, and printing with per-rank line prefixes."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ..records import decode_float
+from .tree import format_norm, short_name
+
+
+def divergence_marks(comparison: dict[str, Any]) -> dict[int, str]:
+    """Node id → marker for the tree: the origin, and every node whose values differ across ranks."""
+    rtol = comparison.get("rtol", 0.0)
+    marks: dict[int, str] = {}
+    for entry in comparison.get("nodes", ()):
+        spreads = [decode_float(entry.get(key)) for key in ("forward", "grad_inputs", "grad_outputs")]
+        if any(s is not None and (math.isnan(s) or s > rtol) for s in spreads):
+            marks[entry["id"]] = "≠ differs across ranks"
+    first = comparison.get("first_divergent")
+    if first is not None:
+        marks[first["id"]] = f"≠ origin of the divergence ({first['kind']})"
+    return marks
+
+
+def render_comparison(comparison: dict[str, Any]) -> RenderableType:
+    """Per-rank table (loss, total parameter gradient norm, non-finite nodes) and the divergence origin."""
+    table = Table(title="ranks compared", title_justify="left", box=None, padding=(0, 2))
+    for column in ("rank", "loss", "params ‖grad‖", "non-finite nodes"):
+        table.add_column(column, justify="right" if column != "rank" else "left")
+    for row in comparison["ranks"]:
+        table.add_row(
+            str(row["rank"]),
+            _format_loss(decode_float(row["loss"])),
+            format_norm(decode_float(row["param_grad_norm_total"])),
+            str(row["nonfinite_nodes"]),
+        )
+    parts: list[RenderableType] = [table]
+    first = comparison.get("first_divergent")
+    if first is None:
+        parts.append(Text(f"ranks agree (rtol {comparison['rtol']:g})", style="green"))
+    else:
+        where = first["param"] or (f"in {first['module'] or '<root>'}" if first["module"] is not None else "outside any module")
+        text = Text("first divergence: ", style="bold red")
+        text.append(f"{first['kind']} at #{first['id']} {short_name(first['name'])} {where}", style="bold red")
+        text.append(f"  (ranks {', '.join(map(str, first['ranks']))} differ)", style="red")
+        parts.append(text)
+        parts.append(Text(_KIND_HELP[first["kind"]], style="dim"))
+    if first is None and comparison.get("unsynchronized_params"):  # with an origin they are its consequence
+        names = comparison["unsynchronized_params"]
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        parts.append(Text(f"parameter gradients that differ across ranks after backward: {shown}", style="yellow"))
+    if comparison.get("note"):
+        parts.append(Text(comparison["note"], style="yellow"))
+    return Group(*parts)
+
+
+def _format_loss(loss: float | None) -> str:
+    return format_norm(loss) if loss is None or not math.isfinite(loss) else f"{loss:.6g}"
+
+
+_KIND_HELP = {
+    "structure": "the ranks built different graphs; this is the first node, in creation order, that does not align",
+    "forward": "this node's forward value differs across ranks while the values of its inputs agree",
+    "backward": "this node received the same gradients on every rank but sent on different ones",
+}
+
+
+def prefixed_lines(console: Console, renderable: RenderableType, prefix: str) -> list[Text]:
+    """Render for ``console`` at its width less the prefix, and put the prefix before every line."""
+    options = console.options.update_width(max(20, console.width - len(prefix)))
+    lines = console.render_lines(renderable, options, pad=False)
+    return [
+        Text(prefix, style="dim") + Text.assemble(*((seg.text, seg.style) for seg in line if not seg.control))
+        for line in lines
+    ]
