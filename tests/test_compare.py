@@ -1,0 +1,139 @@
+"""compare(): the origin of a disagreement between traces, for each kind, on single-process traces."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tracer_cli import trace
+from tracer_cli.compare import compare, relative_spread, values_differ
+
+
+class Scale(torch.autograd.Function):
+    """Identity forward; the backward multiplies by ``k`` (k=1 is the correct backward)."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.k, None
+
+
+class Net(nn.Module):
+    def __init__(self, forward_factor=1.0, backward_factor=1.0, extra_op=False):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.forward_factor = forward_factor
+        self.backward_factor = backward_factor
+        self.extra_op = extra_op
+
+    def forward(self, x):
+        h = torch.relu(self.first(x))
+        h = self.second(h) * self.forward_factor
+        if self.extra_op:
+            h = h.exp()
+        h = Scale.apply(h, self.backward_factor)
+        return self.head(h)
+
+
+X = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+
+
+def traced(model_changes=None, **kwargs):
+    torch.manual_seed(0)
+    model = Net(**kwargs)
+    if model_changes:
+        model_changes(model)
+    return trace(model, X, forward_stats=True)
+
+
+def test_identical_runs_agree():
+    comparison = compare([traced(), traced()], labels=[0, 1])
+    assert comparison["first_divergent"] is None
+    assert comparison["unsynchronized_params"] == []
+    assert all(entry["forward"] in (0.0, None) for entry in comparison["nodes"])
+    assert [row["rank"] for row in comparison["ranks"]] == [0, 1]
+
+
+def test_forward_origin_is_the_op_whose_output_changed():
+    comparison = compare([traced(), traced(forward_factor=1.01)], labels=[0, 1])
+    first = comparison["first_divergent"]
+    assert first["kind"] == "forward"
+    assert first["name"] == "MulBackward0" and first["module"] == ""  # the root's own `* factor`
+    assert first["ranks"] == [1]
+
+
+def test_a_changed_parameter_is_its_own_origin():
+    def nudge(model):
+        with torch.no_grad():
+            model.second.weight[0, 0] += 0.1
+
+    first = compare([traced(), traced(nudge)], labels=[0, 1])["first_divergent"]
+    assert first["kind"] == "forward"
+    assert first["param"] == "second.weight" and first["module"] == "second"
+
+
+def test_backward_origin_is_the_node_that_sends_on_different_gradients():
+    first = compare([traced(), traced(backward_factor=2.0)], labels=[0, 1])["first_divergent"]
+    assert first["kind"] == "backward"
+    assert first["name"] == "ScaleBackward"
+
+
+def test_structure_origin_is_the_first_node_that_does_not_align():
+    comparison = compare([traced(), traced(extra_op=True)], labels=[0, 1])
+    first = comparison["first_divergent"]
+    assert first["kind"] == "structure"
+    assert first["name"] == "ExpBackward0"
+    assert comparison["nodes"] == []  # values of different graphs are not compared
+    assert "graphs differ" in comparison["note"]
+
+
+def test_majority_names_the_odd_rank_out():
+    traces = [traced(), traced(backward_factor=3.0), traced()]
+    first = compare(traces, labels=[0, 1, 2])["first_divergent"]
+    assert first["kind"] == "backward" and first["ranks"] == [1]
+
+
+def test_inputs_differ_compares_only_parameter_gradients():
+    torch.manual_seed(0)
+    model = Net()
+    a = trace(model, X, forward_stats=True)
+    b = trace(model, X * 2, forward_stats=True)
+    comparison = compare([a, b], labels=[0, 1], inputs_differ=True)
+    assert comparison["first_divergent"] is None
+    assert "rank-seed" in comparison["note"]
+    assert "head.bias" not in comparison["unsynchronized_params"]  # d(sum)/d(bias) does not depend on x
+    assert "head.weight" in comparison["unsynchronized_params"]
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ([1.0, 1.0], False),
+        ([1.0, 1.0 + 1e-7], False),
+        ([1.0, 1.001], True),
+        ([0.0, 0.0], False),
+        ([math.nan, math.nan], False),
+        ([math.nan, 1.0], True),
+        ([math.inf, math.inf], False),
+        ([None, None], False),
+        ([None, 1.0], True),
+    ],
+)
+def test_values_differ(values, expected):
+    assert values_differ(values, rtol=1e-5, atol=1e-12) is expected
+
+
+def test_relative_spread():
+    assert relative_spread([2.0, 1.0]) == pytest.approx(0.5)
+    assert relative_spread([0.0, 0.0]) == 0.0
+    assert relative_spread([math.nan, 1.0]) == math.inf
+    assert relative_spread([None, None]) is None
