@@ -29,6 +29,7 @@ import math
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Iterable, NamedTuple
@@ -223,15 +224,15 @@ class _NodeState:
         "node", "name", "seq", "module", "param", "next", "calls", "in_backward", "created_in", "variable", "forward"
     )
 
-    def __init__(self, node: Any, in_backward: bool):
+    def __init__(self, node: Any, in_backward: bool, is_leaf: bool):
         self.node = node
         self.name = node.name()
-        self.variable = getattr(node, "variable", None)
+        self.variable = node.variable if is_leaf else None
         # AccumulateGrad's sequence number is 2**64-1: leaves have no creation order.
-        self.seq = None if hasattr(node, "variable") else node._sequence_nr()
+        self.seq = None if is_leaf else node._sequence_nr()
         self.module: str | None = None
         self.param: str | None = None
-        self.next: list[Any] = []
+        self.next: list[int | None] = []  # ids of next_functions
         self.calls: list[tuple[int, tuple, tuple]] = []
         self.in_backward = in_backward
         self.created_in: int | None = None
@@ -281,6 +282,15 @@ class _TraceSession:
         import torch
 
         self._torch = torch
+        self._leaf_type = torch._C._functions.AccumulateGrad
+        self._custom_type = torch.autograd.function.BackwardCFunction
+        self._grad_enabled = torch.is_grad_enabled
+        self._vector_norm = torch.linalg.vector_norm
+        self._strided, self._float32, self._float64 = torch.strided, torch.float32, torch.float64
+        self._dtype_names: dict[Any, str] = {}
+        # id(tensor) -> (weak reference, pending stat): the tensor a node sends on is usually the very
+        # object the next node receives, so each gradient's statistics are computed once
+        self._seen: dict[int, tuple[Any, int, _PendingStat]] = {}
         self.leaves = leaves
         self.input_names = input_names
         self.tracker = tracker
@@ -311,14 +321,17 @@ class _TraceSession:
             node = queue.popleft()
             state = self.states[self.index[id(node)]]
             for next_node, _ in node.next_functions:
-                state.next.append(next_node)
-                if next_node is not None and id(next_node) not in self.index:
+                if next_node is None:
+                    state.next.append(None)
+                    continue
+                if id(next_node) not in self.index:
                     self._add(next_node, in_backward)
                     queue.append(next_node)
+                state.next.append(self.index[id(next_node)])
 
     def _add(self, node: Any, in_backward: bool) -> None:
         node_id = len(self.states)
-        state = _NodeState(node, in_backward)
+        state = _NodeState(node, in_backward, isinstance(node, self._leaf_type))
         self.index[id(node)] = node_id
         self.states.append(state)
         if in_backward:
@@ -339,11 +352,8 @@ class _TraceSession:
         elif in_backward:
             state.module = self.tracker.current()
         self.handles.append(node.register_hook(functools.partial(self._on_run, node_id)))
-        if self._is_custom_function(node):
+        if isinstance(node, self._custom_type):
             self.handles.append(node.register_prehook(functools.partial(self._on_custom_start, node_id)))
-
-    def _is_custom_function(self, node: Any) -> bool:
-        return isinstance(node, self._torch.autograd.function.BackwardCFunction)
 
     def record_forward(self, output: Any) -> None:
         """Queue the norm of an op's output tensors under the node that produced them."""
@@ -398,38 +408,57 @@ class _TraceSession:
     def _on_run(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
         try:
             order = self.order
-            self.order += 1
+            self.order = order + 1
             if self.running_custom and self.running_custom[-1] == node_id:
                 self._end_custom(node_id)
-            with self._torch.no_grad():
-                stats_in = tuple(self._queue_stat(g) for g in grad_inputs)
-                stats_out = tuple(self._queue_stat(g) for g in grad_outputs)
-            self.states[node_id].calls.append((order, stats_in, stats_out))
+            stat = self._stat
+            if self._grad_enabled():  # backward(create_graph=True): keep statistics out of the graph
+                with self._torch.no_grad():
+                    record = (order, [stat(g) for g in grad_inputs], [stat(g) for g in grad_outputs])
+            else:
+                record = (order, [stat(g) for g in grad_inputs], [stat(g) for g in grad_outputs])
+            self.states[node_id].calls.append(record)
         except Exception:  # never break the user's backward; report after it
             self.errors.append(traceback.format_exc())
         return None
 
-    def _queue_stat(self, grad: Any) -> _PendingStat | None:
-        """Record a gradient's shape and dtype; queue its norm as a device tensor."""
+    def _stat(self, grad: Any) -> _PendingStat | None:
+        """The pending statistics of a gradient, computed once per tensor object."""
         if grad is None:
             return None
-        torch = self._torch
-        layout = None if grad.layout == torch.strided else str(grad.layout).removeprefix("torch.")
+        seen = self._seen.get(id(grad))
+        # the same object with the same version: the engine accumulates gradients in place
+        if seen is not None and seen[0]() is grad and seen[1] == grad._version:
+            return seen[2]
+        pending = self._queue_stat(grad)
+        self._seen[id(grad)] = (weakref.ref(grad), grad._version, pending)
+        return pending
+
+    def _queue_stat(self, grad: Any) -> _PendingStat | None:
+        """Record a tensor's shape and dtype; queue its norm as a device tensor (no host sync)."""
+        if grad is None:
+            return None
+        dtype = grad.dtype
+        dtype_name = self._dtype_names.get(dtype)
+        if dtype_name is None:
+            dtype_name = self._dtype_names[dtype] = _dtype_name(dtype)
+        layout = None
         try:
-            values = grad
-            if grad.is_sparse:
-                values = grad.coalesce().values()
-            elif layout is not None:
-                values = grad.values()
-            if values.is_complex() or values.dtype == torch.float64:
-                norm = torch.linalg.vector_norm(values)
+            if grad.layout is self._strided:
+                values = grad
             else:
-                norm = torch.linalg.vector_norm(values, dtype=torch.float32)
+                layout = str(grad.layout).removeprefix("torch.")
+                # an uncoalesced sparse tensor's values() repeat indices: coalesce for the right norm
+                values = grad.coalesce().values() if grad.is_sparse else grad.values()
+            if dtype is self._float64 or values.is_complex():
+                norm = self._vector_norm(values)
+            else:  # float32 or wider, so bf16/fp16 gradients do not overflow the norm
+                norm = self._vector_norm(values, dtype=self._float32)
             self.norms.append(norm)
             position = len(self.norms) - 1
-        except Exception:  # an exotic tensor: keep shape and dtype without a norm
+        except Exception:  # an exotic tensor subclass: keep shape and dtype without a norm
             position = None
-        return (tuple(grad.shape), _dtype_name(grad.dtype), layout, position)
+        return (grad.shape, dtype_name, layout, position)
 
     # --- result ------------------------------------------------------------------
     def _read_norms(self) -> list[float | None]:
@@ -485,11 +514,17 @@ class _TraceSession:
         norms = self._read_norms()
         meta = replace(meta, loss=norms.pop())
 
+        made: dict[int, GradStat] = {}  # pending statistics are shared between nodes: so are the records
+
         def stat(pending: _PendingStat | None) -> GradStat | None:
             if pending is None:
                 return None
-            shape, dtype, layout, position = pending
-            return GradStat(shape, dtype, None if position is None else norms[position], layout)
+            record = made.get(id(pending))
+            if record is None:
+                shape, dtype, layout, position = pending
+                record = GradStat(tuple(shape), dtype, None if position is None else norms[position], layout)
+                made[id(pending)] = record
+            return record
 
         creation = sorted(
             (old for old in keep if self.states[old].seq is not None),
@@ -514,9 +549,7 @@ class _TraceSession:
                     module=state.module,
                     param=state.param,
                     order=first.order if first else None,
-                    next=tuple(
-                        None if n is None else new_id.get(self.index[id(n)]) for n in state.next
-                    ),
+                    next=tuple(None if n is None else new_id.get(n) for n in state.next),
                     grad_inputs=grad_inputs,
                     grad_outputs=grad_outputs,
                     created=created.get(old),
@@ -547,7 +580,7 @@ class _TraceSession:
             if node_id in keep:
                 continue
             keep.add(node_id)
-            queue.extend(self.index[id(n)] for n in self.states[node_id].next if n is not None)
+            queue.extend(n for n in self.states[node_id].next if n is not None)
         return sorted(keep)
 
     def close(self) -> None:
@@ -571,6 +604,7 @@ class _TraceSession:
         self.index.clear()
         self.norms.clear()
         self.forward_values.clear()
+        self._seen.clear()
 
 
 def _mixed_dtypes(tensors: list[Any], positions: list[int]) -> bool:
