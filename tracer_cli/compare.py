@@ -173,7 +173,8 @@ def compare(
         inputs_differ: the inputs legitimately differ (``--rank-seed``): node values
             are not compared, only the parameter gradients after backward, which
             must agree under data parallelism.
-        labels: how to name each trace in ``ranks`` lists (default: ``meta.rank``).
+        labels: how to name each trace in ``ranks`` lists (default: ``meta.rank``, or the
+            position in ``traces`` when those are not distinct, as for separate runs).
 
     Returns:
         The ``comparison`` block: ``first_divergent`` (or None), ``ranks`` (per-trace
@@ -182,7 +183,10 @@ def compare(
     """
     if len(traces) < 2:
         raise ValueError("compare() needs at least two traces")
-    labels = list(labels) if labels is not None else [t.meta.rank for t in traces]
+    if labels is None:
+        ranks = [t.meta.rank for t in traces]
+        labels = ranks if len(set(ranks)) == len(ranks) else list(range(len(traces)))  # runs, not ranks: positions
+    labels = list(labels)
     per_rank = []
     for label, t in zip(labels, traces):
         summary = t.summary()
@@ -201,7 +205,8 @@ def compare(
     if first is not None:
         note = "the graphs differ: node values are not compared"
     else:
-        spreads = _node_spreads(traces)
+        if not inputs_differ:  # with different inputs every node legitimately differs: no spreads to show
+            spreads = _node_spreads(traces)
         if inputs_differ:
             note = (
                 "inputs differ by rank (--rank-seed): local gradients legitimately differ, so node values are "

@@ -114,6 +114,25 @@ class ProcessGroup:
         dist.destroy_process_group(None if self.owned else self.group)  # None: the default group and all others
 
 
+def _describe_exit(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether an error is the echo of another rank's failure (its connection went away)."""
+    text = f"{error} {getattr(error, '__cause__', '') or ''}"
+    return any(sign in text for sign in _PEER_LOST)
+
+
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "lost contact with the other ranks",
+    "NCCL communicator was aborted",
+    "Broken pipe",
+)
+
+
 def launch(nproc_per_node: int, argv: Sequence[str]) -> int:
     """Run ``python -m tracer_cli ARGV`` on ``nproc_per_node`` local ranks with torch's elastic launcher.
 
@@ -144,10 +163,12 @@ def launch(nproc_per_node: int, argv: Sequence[str]) -> int:
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "tracer_cli", *argv)
     except ChildFailedError as exc:
-        first = min(exc.failures.values(), key=lambda failure: failure.timestamp)
+        failures = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
+        first_rank, first = failures[0]
+        others = ", ".join(f"rank {rank} ({_describe_exit(f.exitcode)})" for rank, f in failures[1:])
+        message = f"gradtrace: rank {first_rank} failed first ({_describe_exit(first.exitcode)})"
+        sys.stderr.write(message + (f"; then {others}" if others else "") + "\n")
         code = first.exitcode
-        ranks = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in sorted(exc.failures.items()))
-        sys.stderr.write(f"gradtrace: failed: {ranks}\n")
         return code if code > 0 else 128 - code if code < 0 else 1
     except SignalException:
         return ExitCode.INTERRUPTED

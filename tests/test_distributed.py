@@ -1,0 +1,634 @@
+"""Distributed tracing: two CPU ranks (gloo) through torchrun and through gradtrace's own launcher.
+
+Every two-process job here is run once per test session (a job costs a few seconds on a small
+machine) and several tests read the same job. Jobs are started in their own session with a
+timeout and killed as a group if they overrun, so a hang fails a test instead of blocking CI.
+
+Conventions checked on every job:
+  * every non-empty stdout line starts with ``[rank0] `` or ``[rank1] `` (torchrun's own log
+    lines go to stderr, so the prefix rule is checked on stdout only);
+  * no line of stdout or stderr carries two ``[rankN]`` prefixes (lines of two ranks glued);
+  * on stderr, every line with gradtrace's own error message (``gradtrace: error``,
+    ``gradtrace: internal error``) starts with a rank prefix (and, in a test of its own, the note
+    that the merged JSON file was written).
+
+"Tree lines" below are node lines of the Rich tree: the part after the prefix matches
+``[├└]── #<id> `` (the same definition as ``node_lines`` in test_cli.py).
+
+The sample models used (sample_models/dist_*.py) plant one rank-dependent behaviour each; their
+docstrings say what and where.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB_TIMEOUT_S = 120
+FAILING_JOB_TIMEOUT_S = 90
+FAILURE_WALL_LIMIT_S = 60
+
+PREFIX = re.compile(r"^\[rank(\d+)\] ")
+ANY_PREFIX = re.compile(r"\[rank\d+\]")
+NODE_LINE = re.compile(r"[├└]── #\d+ ")
+# torchrun's environment must not leak into the jobs when pytest itself runs under torchrun
+TORCHRUN_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+)
+
+
+def _gradtrace_script() -> str:
+    beside = Path(sys.executable).parent / "gradtrace"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("gradtrace")
+    assert found, "the gradtrace console script is not installed (pip install -e .)"
+    return found
+
+
+GRADTRACE = _gradtrace_script()
+
+
+def torchrun(*run_args: str, module: bool = False) -> list[str]:
+    """``torchrun --standalone --nproc-per-node 2 (--no-python gradtrace | -m tracer_cli) run ARGS``."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "tracer_cli"] if module else ["--no-python", GRADTRACE]
+    return command + ["run", *run_args]
+
+
+def launcher(*run_args: str) -> list[str]:
+    """``gradtrace run --nproc-per-node 2 ARGS`` (the built-in launcher)."""
+    return [GRADTRACE, "run", "--nproc-per-node", "2", *run_args]
+
+
+@dataclass(repr=False)
+class Job:
+    command: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    json_path: Path
+    leftovers: list[str]
+
+    def __repr__(self) -> str:  # shown in assertion messages
+        return (
+            f"$ {' '.join(self.command)}\nexit {self.returncode} after {self.wall_s:.1f} s\n"
+            f"--- stdout (tail) ---\n{self.stdout[-6000:]}\n--- stderr (tail) ---\n{self.stderr[-6000:]}"
+        )
+
+    def lines(self, rank: int, stream: str = "stdout") -> list[str]:
+        """The lines of one rank (prefix removed), in order."""
+        text = self.stdout if stream == "stdout" else self.stderr
+        out = []
+        for line in text.splitlines():
+            match = PREFIX.match(line)
+            if match and int(match.group(1)) == rank:
+                out.append(line[match.end():])
+        return out
+
+    def tree_lines(self, rank: int) -> list[str]:
+        return [line for line in self.lines(rank) if NODE_LINE.search(line)]
+
+    def document(self) -> dict[str, Any]:
+        assert self.json_path.exists(), f"no merged JSON written\n{self}"
+        return strict_json(self.json_path.read_text(encoding="utf-8"))
+
+
+def strict_json(text: str) -> Any:
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"bare {constant} in JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _session_processes(sid: int) -> list[str]:
+    """Live (not zombie) processes still in session ``sid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp session ...
+        fields = text[text.rfind(")") + 2:].split()
+        if len(fields) > 3 and int(fields[3]) == sid and fields[0] != "Z":
+            found.append(f"{stat.parent.name} {text[:text.rfind(')') + 1]}")
+    return found
+
+
+def run_job(command: list[str], json_path: Path, timeout: float = JOB_TIMEOUT_S) -> Job:
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    env["NO_COLOR"] = "1"
+    start = time.monotonic()
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        encoding="utf-8", errors="replace", start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(
+            f"job did not end within {timeout} s (killed):\n$ {' '.join(command)}\n"
+            f"--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-6000:]}"
+        )
+    wall = time.monotonic() - start
+    leftovers = _session_processes(process.pid)
+    if leftovers:
+        time.sleep(1.0)  # give exiting workers a moment before calling them orphans
+        leftovers = _session_processes(process.pid)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return Job(command, process.returncode, stdout, stderr, wall, json_path, leftovers)
+
+
+# The jobs: name -> (command builder taking the JSON path, timeout). Each runs at most once.
+JOBS: dict[str, tuple[Callable[[str], list[str]], float]] = {
+    "ddp_torchrun": (lambda j: torchrun("sample_models/dist_ddp.py", "--json", j), JOB_TIMEOUT_S),
+    "ddp_module_ranks0": (
+        lambda j: torchrun("sample_models/dist_ddp.py", "--ranks", "0", "--json", j, module=True), JOB_TIMEOUT_S
+    ),
+    "ddp_launcher_failon": (
+        lambda j: launcher("sample_models/dist_ddp.py", "--fail-on", "divergence,nonfinite", "--json", j),
+        JOB_TIMEOUT_S,
+    ),
+    "ddp_rank_seed": (lambda j: torchrun("sample_models/dist_ddp.py", "--rank-seed", "--json", j), JOB_TIMEOUT_S),
+    "structure": (lambda j: torchrun("sample_models/dist_structure.py", "--json", j), JOB_TIMEOUT_S),
+    "forward": (lambda j: launcher("sample_models/dist_forward.py", "--json", j), JOB_TIMEOUT_S),
+    "backward": (lambda j: torchrun("sample_models/dist_backward.py", "--json", j, module=True), JOB_TIMEOUT_S),
+    "forward_failon_torchrun": (
+        lambda j: torchrun("sample_models/dist_forward.py", "--fail-on", "divergence"), JOB_TIMEOUT_S
+    ),
+    "structure_failon_launcher": (
+        lambda j: launcher("sample_models/dist_structure.py", "--fail-on", "divergence"), JOB_TIMEOUT_S
+    ),
+    "raise_early_torchrun": (
+        lambda j: torchrun("sample_models/dist_raise_early.py", "--json", j), FAILING_JOB_TIMEOUT_S
+    ),
+    "raise_early_launcher": (
+        lambda j: launcher("sample_models/dist_raise_early.py", "--json", j), FAILING_JOB_TIMEOUT_S
+    ),
+    "raise_allreduce_torchrun": (
+        lambda j: torchrun("sample_models/dist_raise_in_allreduce.py", "--json", j), FAILING_JOB_TIMEOUT_S
+    ),
+    "raise_allreduce_launcher": (
+        lambda j: launcher("sample_models/dist_raise_in_allreduce.py", "--json", j), FAILING_JOB_TIMEOUT_S
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Callable[[str], Job]:
+    folder = tmp_path_factory.mktemp("dist")
+    done: dict[str, Job] = {}
+
+    def get(name: str) -> Job:
+        if name not in done:
+            build, timeout = JOBS[name]
+            json_path = folder / f"{name}.json"
+            done[name] = run_job(build(str(json_path)), json_path, timeout)
+        return done[name]
+
+    return get
+
+
+# Checks shared by many tests -------------------------------------------------------------------
+
+
+def assert_line_discipline(job: Job) -> None:
+    """Prefixes on every stdout line; no glued lines anywhere; gradtrace's stderr lines prefixed."""
+    for line in job.stdout.splitlines():
+        if line.strip():
+            match = PREFIX.match(line)
+            assert match and match.group(1) in ("0", "1"), f"stdout line without a rank prefix: {line!r}\n{job}"
+    for stream in (job.stdout, job.stderr):
+        for line in stream.splitlines():
+            assert len(ANY_PREFIX.findall(line)) <= 1, f"two ranks' output glued on one line: {line!r}\n{job}"
+    for line in job.stderr.splitlines():
+        if re.search(r"gradtrace: (internal )?error", line):
+            assert PREFIX.match(line), f"gradtrace's error line without a rank prefix: {line!r}\n{job}"
+
+
+def assert_merged_document(doc: dict[str, Any], job: Job) -> None:
+    """The merged file: top level, one full trace per rank with meta.rank, and the comparison."""
+    assert doc["schema"] == "gradtrace/1", job
+    assert doc["world_size"] == 2
+    assert isinstance(doc["ranks"], list) and len(doc["ranks"]) == 2
+    for rank, trace in enumerate(doc["ranks"]):
+        assert trace["schema"] == "gradtrace/1"
+        assert trace["meta"]["rank"] == rank
+        assert trace["meta"]["world_size"] == 2
+        assert [n["id"] for n in trace["nodes"]] == list(range(len(trace["nodes"])))
+        assert trace["nodes"], "a rank's trace has nodes"
+        assert {"nodes", "executed", "nonfinite_nodes", "first_nonfinite"} <= set(trace["summary"])
+    comparison = doc["comparison"]
+    assert "first_divergent" in comparison
+    assert isinstance(comparison["unsynchronized_params"], list)
+    rows = comparison["ranks"]
+    assert [row["rank"] for row in rows] == [0, 1]
+    for row, trace in zip(rows, doc["ranks"]):
+        assert {"rank", "loss", "param_grad_norm_total", "nonfinite_nodes"} <= set(row)
+        assert row["loss"] == trace["meta"]["loss"]
+        assert row["nonfinite_nodes"] == trace["summary"]["nonfinite_nodes"]
+        total = row["param_grad_norm_total"]
+        assert isinstance(total, (int, float)) and math.isfinite(total) and total > 0
+
+
+def assert_origin(job: Job, kind: str, name: str, module: str) -> dict[str, Any]:
+    """The merged JSON names the planted origin; rank 0's comparison section names it too."""
+    assert job.returncode == 0, f"a divergence without --fail-on still exits 0\n{job}"
+    assert_line_discipline(job)
+    doc = job.document()
+    assert_merged_document(doc, job)
+    origin = doc["comparison"]["first_divergent"]
+    assert origin is not None, f"no divergence found\n{job}"
+    assert {"id", "name", "module", "param", "kind", "ranks"} <= set(origin)
+    assert (origin["kind"], origin["name"], origin["module"]) == (kind, name, module), origin
+    assert origin["param"] is None
+    assert 1 in origin["ranks"], origin
+    # the id is the origin's node id in (at least) one of the ranks named, or in rank 0
+    assert any(
+        origin["id"] < len(doc["ranks"][r]["nodes"])
+        and doc["ranks"][r]["nodes"][origin["id"]]["name"] == name
+        and doc["ranks"][r]["nodes"][origin["id"]]["module"] == module
+        for r in {0, *origin["ranks"]}
+    ), origin
+    assert_comparison_names(job, kind, name, module)
+    return doc
+
+
+def comparison_section(job: Job) -> str:
+    """Rank 0's text after both trees: its ``[rank0]`` lines after the last ``[rank1]`` line, joined
+    with spaces (so a message wrapped at the terminal width reads as one)."""
+    lines = [line for line in job.stdout.splitlines() if line.strip()]
+    last_rank1 = max((i for i, line in enumerate(lines) if line.startswith("[rank1] ")), default=None)
+    assert last_rank1 is not None, f"rank 1's tree is not printed\n{job}"
+    section = [PREFIX.sub("", line).strip() for line in lines[last_rank1 + 1:] if line.startswith("[rank0] ")]
+    return " ".join(section)
+
+
+def assert_comparison_names(job: Job, kind: str, name: str, module: str) -> None:
+    """Rank 0's comparison section names the origin's kind, node and module, and does not say "agree"."""
+    section = comparison_section(job)
+    assert name in section and module in section, f"the comparison does not name {name} in {module}\n{job}"
+    assert re.search(rf"(?i)\b{kind}\b", section), f"the comparison does not name the kind {kind}\n{job}"
+    assert "ranks agree" not in section.lower(), job
+
+
+def divergence_marks(job: Job) -> list[str]:
+    """stdout lines that mark a node as differing across ranks (the tree's "≠ ..." marks)."""
+    return [line for line in job.stdout.splitlines() if "≠" in line or re.search(r"(?i)differs? across ranks", line)]
+
+
+def assert_no_leftovers(job: Job) -> None:
+    assert not job.leftovers, f"processes of the job still running after it ended: {job.leftovers}\n{job}"
+
+
+# Healthy DDP model: prefixes, merged JSON, agreement ------------------------------------------------
+
+
+def test_torchrun_no_python_ddp_ranks_agree(job):
+    j = job("ddp_torchrun")
+    assert j.returncode == 0, j
+    assert_line_discipline(j)
+    doc = j.document()
+    assert_merged_document(doc, j)
+    comparison = doc["comparison"]
+    assert comparison["first_divergent"] is None
+    assert comparison["unsynchronized_params"] == []
+    losses = [row["loss"] for row in comparison["ranks"]]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    # same graph on both ranks
+    shape = [[(n["name"], n["module"], n["param"]) for n in t["nodes"]] for t in doc["ranks"]]
+    assert shape[0] == shape[1]
+    assert any("ranks agree" in line.lower() for line in j.lines(0)), j
+    assert divergence_marks(j) == [], j
+    assert_no_leftovers(j)
+
+
+def test_torchrun_prints_every_ranks_tree_then_the_comparison(job):
+    j = job("ddp_torchrun")
+    assert j.returncode == 0, j
+    doc = j.document()
+    # --ranks defaults to all: both trees are printed, each line with its own rank's prefix,
+    # one node line per node of that rank
+    for rank in (0, 1):
+        assert len(j.tree_lines(rank)) == len(doc["ranks"][rank]["nodes"]), j
+    # lines never interleave: rank 1's lines form one contiguous block (printed by rank 0 in turn)
+    ranks_in_order = [int(PREFIX.match(line).group(1)) for line in j.stdout.splitlines() if line.strip()]
+    ones = [i for i, r in enumerate(ranks_in_order) if r == 1]
+    assert ones == list(range(ones[0], ones[-1] + 1)), "rank 1's lines are interleaved with rank 0's"
+    # the comparison comes after every tree line
+    lines = [line for line in j.stdout.splitlines() if line.strip()]
+    last_tree = max(i for i, line in enumerate(lines) if NODE_LINE.search(line))
+    agree = [i for i, line in enumerate(lines) if "ranks agree" in line.lower()]
+    assert agree and agree[-1] > last_tree and lines[agree[-1]].startswith("[rank0] ")
+
+
+def test_json_written_note_on_stderr_is_prefixed(job):
+    """gradtrace's own stderr note about the merged file is a rank's line like any other."""
+    for name in ("ddp_torchrun", "ddp_launcher_failon"):
+        j = job(name)
+        notes = [line for line in j.stderr.splitlines() if "written to" in line]
+        assert notes, f"no note that the merged file was written\n{j}"
+        for line in notes:
+            assert line.startswith("[rank0] "), f"stderr line without a rank prefix: {line!r}"
+
+
+def test_torchrun_module_invocation_and_ranks_selection(job):
+    """``torchrun -m tracer_cli run ... --ranks 0``: only rank 0's tree is printed.
+
+    Precisely: at least one stdout tree line is prefixed ``[rank0]`` (rank 0's full tree) and none
+    is prefixed ``[rank1]``; the merged JSON still holds both ranks' traces and the comparison.
+    """
+    j = job("ddp_module_ranks0")
+    assert j.returncode == 0, j
+    assert_line_discipline(j)
+    doc = j.document()
+    assert_merged_document(doc, j)
+    assert len(j.tree_lines(0)) == len(doc["ranks"][0]["nodes"]), j
+    assert j.tree_lines(1) == [], j
+    assert doc["comparison"]["first_divergent"] is None
+    assert any("ranks agree" in line.lower() for line in j.lines(0)), j
+
+
+def test_builtin_launcher_ddp_ranks_agree_with_fail_on(job):
+    """``gradtrace run --nproc-per-node 2 ... --fail-on divergence,nonfinite``: healthy model, exit 0."""
+    j = job("ddp_launcher_failon")
+    assert j.returncode == 0, j
+    assert_line_discipline(j)
+    doc = j.document()
+    assert_merged_document(doc, j)
+    assert doc["comparison"]["first_divergent"] is None
+    assert doc["comparison"]["unsynchronized_params"] == []
+    for rank in (0, 1):
+        assert len(j.tree_lines(rank)) == len(doc["ranks"][rank]["nodes"]), j
+    assert_no_leftovers(j)
+
+
+def test_rank_seed_gives_different_inputs_but_no_node_divergence(job):
+    """``--rank-seed``: inputs (and so losses and local gradients) differ by rank; that is said,
+    not reported as a divergent node; DDP's averaged parameter gradients still agree."""
+    j = job("ddp_rank_seed")
+    assert j.returncode == 0, j
+    assert_line_discipline(j)
+    doc = j.document()
+    assert_merged_document(doc, j)
+    seeds = [t["meta"]["seed"] for t in doc["ranks"]]
+    assert seeds[1] == seeds[0] + 1
+    losses = [row["loss"] for row in doc["comparison"]["ranks"]]
+    assert losses[0] != losses[1]
+    assert doc["comparison"]["first_divergent"] is None
+    assert doc["comparison"]["unsynchronized_params"] == []
+    notes = [line for line in j.lines(0) if re.search(r"(?i)inputs? (differ|are different)|rank.seed", line)]
+    assert notes, f"rank 0's comparison does not say that the inputs differ by rank\n{j}"
+    # ... and no node of either tree is marked as differing across ranks
+    assert divergence_marks(j) == [], f"--rank-seed marks nodes as divergent\n{j}"
+
+
+# One sample per divergence kind ----------------------------------------------------------------------
+
+
+def test_structure_divergence_origin(job):
+    """dist_structure: rank 1 has an extra sigmoid in block2 (torchrun --no-python)."""
+    j = job("structure")
+    doc = assert_origin(j, "structure", "SigmoidBackward0", "block2")
+    assert len(doc["ranks"][1]["nodes"]) == len(doc["ranks"][0]["nodes"]) + 1
+
+
+def test_forward_divergence_origin(job):
+    """dist_forward: block2 multiplies its activation by 1 + rank (built-in launcher)."""
+    assert_origin(job("forward"), "forward", "MulBackward0", "block2")
+    assert_no_leftovers(job("forward"))
+
+
+def test_backward_divergence_origin_and_unsynchronized_params(job):
+    """dist_backward: RankScale's backward scales by rank + 1 in block2 (torchrun -m tracer_cli)."""
+    doc = assert_origin(job("backward"), "backward", "RankScaleBackward", "block2")
+    # no DDP: the parameters upstream of RankScale end with different gradients, head's agree
+    unsynchronized = set(doc["comparison"]["unsynchronized_params"])
+    upstream = {"block1.linear.weight", "block1.linear.bias", "block2.linear.weight", "block2.linear.bias"}
+    assert upstream <= unsynchronized
+    assert not unsynchronized & {"head.weight", "head.bias"}
+
+
+def test_fail_on_divergence_exits_1_under_torchrun(job):
+    j = job("forward_failon_torchrun")
+    assert j.returncode == 1, j
+    assert_line_discipline(j)
+    assert_comparison_names(j, "forward", "MulBackward0", "block2")
+    assert_no_leftovers(j)
+
+
+def test_fail_on_divergence_exits_1_under_builtin_launcher(job):
+    j = job("structure_failon_launcher")
+    assert j.returncode == 1, j
+    assert_line_discipline(j)
+    assert_comparison_names(j, "structure", "SigmoidBackward0", "block2")
+    assert_no_leftovers(j)
+
+
+# A rank that raises: no hang, the failing rank named, the right exit code -------------------------
+
+
+@pytest.mark.parametrize(
+    "name, sample, exit_code",
+    [
+        ("raise_early_torchrun", "dist_raise_early.py", 1),
+        ("raise_early_launcher", "dist_raise_early.py", 3),
+        ("raise_allreduce_torchrun", "dist_raise_in_allreduce.py", 1),
+        ("raise_allreduce_launcher", "dist_raise_in_allreduce.py", 3),
+    ],
+)
+def test_rank_that_raises_ends_the_job_quickly(job, name, sample, exit_code):
+    """torchrun flattens a failing worker to exit 1; the built-in launcher passes the worker's 3 through.
+
+    In the all-reduce case rank 0 is blocked in DDP's gradient all-reduce when rank 1 fails; the job
+    must still end within seconds, not at the process-group timeout (120 s by default).
+    """
+    j = job(name)
+    assert j.wall_s < FAILURE_WALL_LIMIT_S, f"the job took {j.wall_s:.1f} s\n{j}"
+    assert j.returncode == exit_code, j
+    assert_line_discipline(j)
+    rank1 = j.lines(1, "stderr")
+    assert any(line.startswith("gradtrace: error:") for line in rank1), f"rank 1's error is not on stderr\n{j}"
+    assert any("planted failure on rank 1" in line for line in rank1), j
+    assert any(sample in line for line in rank1), f"rank 1's error lacks the user's traceback\n{j}"
+    assert "internal error" not in j.stderr, f"a peer's failure is reported as a gradtrace bug\n{j}"
+    assert not j.json_path.exists(), "no merged file is written when a rank failed"
+    assert_no_leftovers(j)
+
+
+SLEEPS_ON_RANK1 = """
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class SleepsOnRank1(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            time.sleep(100)  # rank 1 hangs: no error, no exit
+        return self.fc(x)
+
+
+model = SleepsOnRank1()
+
+
+def example_inputs():
+    return torch.randn(3, 4)
+"""
+
+
+def test_timeout_bounds_a_rank_that_hangs(tmp_path):
+    """``--timeout 5``: rank 1 hangs (sleeps 100 s) in forward, rank 0 waits for it in gradtrace's
+    own gather; rank 0 gives up after the timeout with a prefixed error, and the job ends long
+    before rank 1 would wake up (built-in launcher)."""
+    model = tmp_path / "sleeps_on_rank1.py"
+    model.write_text(SLEEPS_ON_RANK1)
+    j = run_job(launcher(str(model), "--timeout", "5"), tmp_path / "none.json", FAILING_JOB_TIMEOUT_S)
+    assert j.wall_s < 45, f"the job took {j.wall_s:.1f} s with --timeout 5\n{j}"
+    assert j.returncode != 0, j
+    assert_line_discipline(j)
+    assert any(line.startswith("gradtrace: error:") for line in j.lines(0, "stderr")), j
+    assert "internal error" not in j.stderr, j
+    assert_no_leftovers(j)
+
+
+# The comparison as a library function (single process) ----------------------------------------------
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out * ctx.factor, None
+
+
+class _Block2(nn.Module):
+    def __init__(self, features: int, scale: float, grad_factor: float, extra_sigmoid: bool):
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+        self.scale, self.grad_factor, self.extra_sigmoid = scale, grad_factor, extra_sigmoid
+
+    def forward(self, x):
+        h = self.linear(x)
+        if self.extra_sigmoid:
+            h = torch.sigmoid(h)
+        h = torch.tanh(h) * self.scale
+        return _ScaleGrad.apply(h, self.grad_factor)
+
+
+class _Net(nn.Module):
+    def __init__(self, scale: float = 1.0, grad_factor: float = 1.0, extra_sigmoid: bool = False):
+        super().__init__()
+        self.block1 = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.block2 = _Block2(6, scale, grad_factor, extra_sigmoid)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.block2(self.block1(x)))
+
+
+def _trace_variant(rank: int | None = None, **variant: Any):
+    """A single-process trace of _Net with fixed weights and inputs, forward values recorded;
+    ``variant`` changes block2. ``rank`` sets ``meta.rank`` as a rank of a job would have it."""
+    from tracer_cli import trace
+
+    torch.manual_seed(0)
+    reference = _Net()
+    x = torch.randn(3, 6)
+    model = _Net(**variant)
+    model.load_state_dict(reference.state_dict())
+    placement = {} if rank is None else {"rank": rank, "world_size": 4}
+    return trace(model, (x,), forward_stats=True, **placement)
+
+
+def _compare(traces, **kwargs):
+    try:
+        from tracer_cli.distributed import compare
+    except ImportError:  # the comparison may live in its own module, shared with `gradtrace diff`
+        from tracer_cli.compare import compare
+    return compare(traces, **kwargs)
+
+
+def test_compare_identical_traces_agree():
+    comparison = _compare([_trace_variant(rank=0), _trace_variant(rank=1)])
+    assert comparison["first_divergent"] is None
+    assert comparison["unsynchronized_params"] == []
+    assert [row["rank"] for row in comparison["ranks"]] == [0, 1]
+    assert comparison["ranks"][0]["loss"] == comparison["ranks"][1]["loss"]
+
+
+@pytest.mark.parametrize(
+    "variant, kind, name",
+    [
+        ({"extra_sigmoid": True}, "structure", "SigmoidBackward0"),
+        ({"scale": 2.0}, "forward", "MulBackward0"),
+        ({"grad_factor": 2.0}, "backward", "_ScaleGradBackward"),
+    ],
+    ids=["structure", "forward", "backward"],
+)
+def test_compare_finds_the_origin(variant, kind, name):
+    comparison = _compare([_trace_variant(rank=0), _trace_variant(rank=1, **variant)])
+    origin = comparison["first_divergent"]
+    assert origin is not None
+    assert (origin["kind"], origin["name"], origin["module"], origin["ranks"]) == (kind, name, "block2", [1])
+
+
+def test_compare_n_traces_names_the_rank_that_differs():
+    traces = [_trace_variant(rank=0), _trace_variant(rank=1), _trace_variant(rank=2, scale=2.0), _trace_variant(rank=3)]
+    origin = _compare(traces)["first_divergent"]
+    assert origin is not None
+    found = (origin["kind"], origin["name"], origin["module"], origin["ranks"])
+    assert found == ("forward", "MulBackward0", "block2", [2])
+
+
+def test_compare_rtol():
+    # a relative difference of 1e-7 is within the default rtol (1e-5) ...
+    assert _compare([_trace_variant(rank=0), _trace_variant(rank=1, scale=1.0 + 1e-7)])["first_divergent"] is None
+    # ... 1e-3 is not, unless rtol is raised above it
+    traces = [_trace_variant(rank=0), _trace_variant(rank=1, scale=1.001)]
+    assert _compare(traces)["first_divergent"]["kind"] == "forward"
+    assert _compare(traces, rtol=0.1)["first_divergent"] is None
+
+
+def test_compare_single_process_traces_names_them_by_position():
+    """Two plain single-process traces (both ``meta.rank == 0``, as ``gradtrace diff`` of two files
+    would see them): the differing trace is still named by its position, not as rank 0."""
+    origin = _compare([_trace_variant(), _trace_variant(scale=2.0)])["first_divergent"]
+    assert origin is not None
+    found = (origin["kind"], origin["name"], origin["module"], origin["ranks"])
+    assert found == ("forward", "MulBackward0", "block2", [1])
