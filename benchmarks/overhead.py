@@ -1,0 +1,179 @@
+"""Tracing overhead against a plain forward+backward, and against peers, in one process.
+
+    python benchmarks/overhead.py                 # every workload, 9 interleaved rounds
+    python benchmarks/overhead.py tiny-ops --rounds 15
+    python benchmarks/overhead.py --memory        # also peak memory, one subprocess per method
+
+For each workload, every method runs once per round, in turn (interleaved, so that a busy machine
+slows all of them alike); the table shows each method's median time and its ratio to the plain
+step's median. Methods:
+
+- plain: ``loss_fn(model(*args)).backward()``;
+- gradtrace: ``tracer_cli.trace()`` with its defaults (attribution, every node hooked, statistics);
+- anomaly: the plain step under ``torch.autograd.detect_anomaly(check_nan=True)``;
+- floor: a minimal hook on every node that keeps one norm per gradient tensor (no attribution,
+  no shapes): the least any per-node tracer can do;
+- torchviz: the plain step plus ``torchviz.make_dot`` of the graph (only if torchviz is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import WORKLOADS, big_activations  # noqa: E402
+
+from tracer_cli import trace  # noqa: E402
+
+
+def _inputs(args: tuple) -> tuple:
+    """Fresh leaves, as trace() makes them: floating inputs require grad."""
+    return tuple(a.detach().requires_grad_() if a.is_floating_point() else a for a in args)
+
+
+def _clear(model: Any) -> None:
+    if isinstance(model, torch.nn.Module):
+        model.zero_grad(set_to_none=True)
+
+
+def plain(model, args, loss_fn) -> None:
+    loss_fn(model(*_inputs(args))).backward()
+    _clear(model)
+
+
+def traced(model, args, loss_fn) -> None:
+    trace(model, args, loss_fn=loss_fn)
+
+
+def anomaly(model, args, loss_fn) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.detect_anomaly(check_nan=True):
+            plain(model, args, loss_fn)
+
+
+def floor(model, args, loss_fn) -> None:
+    """Hook every node, keep one norm per gradient tensor (the grad_outputs each node receives)."""
+    loss = loss_fn(model(*_inputs(args)))
+    norms: list[torch.Tensor] = []
+
+    def hook(grad_inputs, grad_outputs):
+        for g in grad_outputs:
+            if g is not None:
+                norms.append(torch.linalg.vector_norm(g, dtype=torch.float32))
+
+    handles, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        handles.append(node.register_hook(hook))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    loss.backward()
+    for handle in handles:
+        handle.remove()
+    torch.stack(norms).tolist() if norms else None
+    _clear(model)
+
+
+def torchviz_dot(model, args, loss_fn) -> None:
+    from torchviz import make_dot
+
+    loss = loss_fn(model(*_inputs(args)))
+    make_dot(loss)
+    loss.backward()
+    _clear(model)
+
+
+METHODS: dict[str, Callable[..., None]] = {"plain": plain, "gradtrace": traced, "anomaly": anomaly, "floor": floor}
+try:
+    import torchviz  # noqa: F401
+
+    METHODS["torchviz"] = torchviz_dot
+except ImportError:
+    pass
+
+
+def measure(name: str, rounds: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    model, args, loss_fn = WORKLOADS[name]()
+    for method in METHODS.values():  # warm-up: allocator, lazy inits
+        method(model, args, loss_fn)
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    gc.collect()
+    for _ in range(rounds):
+        for method_name, method in METHODS.items():
+            start = time.perf_counter()
+            try:
+                method(model, args, loss_fn)
+            except RecursionError:  # torchviz on deep graphs
+                times[method_name].append(float("nan"))
+                continue
+            times[method_name].append(time.perf_counter() - start)
+    return {m: statistics.median(t) for m, t in times.items()}
+
+
+def peak_memory(method: str) -> float:
+    """Peak RSS growth (MiB) of one step of ``method`` on the large-activation workload, in a fresh process."""
+    code = (
+        "import resource, sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+        "import overhead, workloads\n"
+        "torch.manual_seed(0)\n"
+        "model, args, loss_fn = workloads.big_activations()\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"overhead.METHODS[{method!r}](model, args, loss_fn)\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workloads", nargs="*", default=list(WORKLOADS), help=f"any of {', '.join(WORKLOADS)}")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--memory", action="store_true", help="also measure peak memory (subprocesses)")
+    parser.add_argument("--json", help="write the results to this file")
+    options = parser.parse_args()
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    print(f"# {platform.machine()} · {os.cpu_count()} cores · torch {torch.__version__} · "
+          f"{torch.get_num_threads()} threads · python {platform.python_version()}")
+    header = "| workload | plain (ms) | " + " | ".join(f"{m} (x)" for m in METHODS if m != "plain") + " |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    results: dict[str, Any] = {}
+    for name in options.workloads:
+        medians = measure(name, options.rounds)
+        results[name] = medians
+        ratios = " | ".join(f"{medians[m] / medians['plain']:.2f}" for m in METHODS if m != "plain")
+        print(f"| {name} | {medians['plain'] * 1e3:.1f} | {ratios} |", flush=True)
+    if options.memory:
+        peaks = {m: peak_memory(m) for m in ("plain", "gradtrace", "floor")}
+        results["peak_memory_mib"] = peaks
+        print(f"\npeak memory growth of one step, large activations ({big_activations.__doc__.strip()}):")
+        for m, mib in peaks.items():
+            print(f"  {m}: {mib:.0f} MiB ({mib / peaks['plain']:.2f}x plain)")
+    if options.json:
+        Path(options.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

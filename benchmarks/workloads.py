@@ -1,0 +1,155 @@
+"""The benchmark workloads: each builds a model and its inputs, in plain torch (no extra packages).
+
+Every workload is a function returning ``(model, args, loss_fn)``; ``loss_fn(output)`` gives the scalar.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+Workload = tuple[Callable[..., Any], tuple, Callable[[Any], torch.Tensor]]
+
+
+class _Block(nn.Module):
+    """A GPT-2 block: pre-norm causal self-attention and a GELU MLP, with residuals."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn_qkv = nn.Linear(width, 3 * width)
+        self.attn_proj = nn.Linear(width, width)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp_fc = nn.Linear(width, 4 * width)
+        self.mlp_proj = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.attn_qkv(self.ln_1(x)).split(width, dim=-1)
+        shape = (batch, seq, self.heads, width // self.heads)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(width // self.heads)
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        attn = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        y = (attn @ v).transpose(1, 2).reshape(batch, seq, width)
+        x = x + self.attn_proj(y)
+        return x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x))))
+
+
+class GPT2Style(nn.Module):
+    """Token and position embeddings, blocks, final norm, an LM head tied to the token embedding."""
+
+    def __init__(self, layers: int = 4, width: int = 256, heads: int = 4, vocab: int = 5000, context: int = 128):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(_Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.wte(ids) + self.wpe(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.T
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def gpt2_style() -> Workload:
+    """GPT-2-style transformer: 4 layers, width 256, sequence 128, batch 4."""
+    model = GPT2Style()
+    ids = torch.randint(0, 5000, (4, 128))
+    return model, (ids,), lambda loss: loss
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class ResNetStyle(nn.Module):
+    """A ResNet-18-like CNN for 32x32 images (narrower): stem, 4 stages of 2 blocks, a classifier."""
+
+    def __init__(self, width: int = 16, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        stages, cin = [], width
+        for i, stride in enumerate((1, 2, 2, 2)):
+            cout = width * 2**i
+            stages += [_ResidualBlock(cin, cout, stride), _ResidualBlock(cout, cout, 1)]
+            cin = cout
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.adaptive_avg_pool2d(self.stages(self.stem(x)), 1).flatten(1))
+
+
+def resnet_style() -> Workload:
+    """ResNet-style CNN with BatchNorm: batch 32, 32x32 images."""
+    model = ResNetStyle()
+    labels = torch.randint(0, 10, (32,))
+    return model, (torch.randn(32, 3, 32, 32),), lambda logits: F.cross_entropy(logits, labels)
+
+
+def tiny_ops(count: int = 6000) -> Workload:
+    """``count`` elementwise ops on 8-element tensors: per-node fixed cost dominates."""
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for i in range(count // 3):
+            x = (x * 1.0001 + 0.001).tanh() if i % 2 else (x * 0.9999 - 0.001).sin()
+        return x
+
+    return chain, (torch.randn(8),), lambda out: out.sum()
+
+
+def wide_mlp() -> Workload:
+    """A wide MLP: 4 Linear layers of width 2048, batch 64."""
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(2048, 2048), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(2048, 10))
+    return model, (torch.randn(64, 2048),), lambda out: out.pow(2).mean()
+
+
+def big_activations() -> Workload:
+    """Large activations, few parameters: where keeping gradients alive would show in peak memory."""
+    model = nn.Sequential(*[nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()) for _ in range(6)])
+    return model, (torch.randn(32, 16, 128, 128),), lambda out: out.pow(2).mean()
+
+
+def chain(nodes: int) -> Workload:
+    """A straight chain of about ``nodes`` backward nodes (one op each) on a 4-element tensor."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(nodes - 2):
+            x = x * 1.000001
+        return x
+
+    return run, (torch.randn(4),), lambda out: out.sum()
+
+
+WORKLOADS: dict[str, Callable[[], Workload]] = {
+    "gpt2-style": gpt2_style,
+    "resnet-style": resnet_style,
+    "tiny-ops": tiny_ops,
+    "wide-mlp": wide_mlp,
+}
