@@ -204,3 +204,30 @@ def test_param_grads_are_the_grads_after_backward():
     assert set(recorded) == {name for name, _ in model.named_parameters()}
     for name, param in model.named_parameters():
         assert recorded[name].norm == pytest.approx(float(param.grad.norm()), rel=1e-6)
+
+
+def test_sources_are_the_user_lines_that_created_each_node():
+    from .reference import SAMPLES_DIR, load_sample
+
+    module = load_sample("nan_where")
+    torch.manual_seed(0)
+    result = trace(module.build_model(), module.example_inputs())
+    lines = (SAMPLES_DIR / "nan_where.py").read_text().splitlines()
+
+    def line_of(fragment: str) -> int:
+        return max(i + 1 for i, text in enumerate(lines) if fragment in text)  # the code, not the docstring
+
+    def source(name, module_path=None):
+        (node,) = result.find(name, module=module_path) if module_path is not None else result.find(name)
+        path, _, line = node.source.rpartition(":")
+        assert path.endswith("nan_where.py")
+        return int(line)
+
+    assert source("SqrtBackward0") == line_of("torch.sqrt(h)")
+    assert source("WhereBackward0") == line_of("torch.where(")
+    assert source("AddmmBackward0", "proj") == line_of("self.proj(x)")
+    # nodes made inside F.linear share the line of the module call
+    (t_proj,) = [n for n in result.find("TBackward0") if n.module == "proj"]
+    assert t_proj.source == result.find("AddmmBackward0", module="proj")[0].source
+    assert all(n.source is None for n in result.nodes if n.is_leaf)
+    assert all(n.source is None for n in trace(module.build_model(), module.example_inputs(), sources=False).nodes)

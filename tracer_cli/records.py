@@ -158,6 +158,9 @@ class Node:
         forward: statistics of the forward value the node's op produced (for a
             leaf: the parameter or input itself), when recorded; ``None`` for
             nodes made inside an op, or when forward statistics were off.
+        source: ``path:line`` of the user's code whose op created the node (the
+            innermost frame outside torch and gradtrace); ``None`` for leaves,
+            custom Function nodes and nodes made during backward.
     """
 
     id: int
@@ -172,6 +175,7 @@ class Node:
     created_in: int | None = None
     calls: tuple[NodeCall, ...] = ()
     forward: GradStat | None = None
+    source: str | None = None
 
     @property
     def runs(self) -> int:
@@ -243,6 +247,7 @@ class Node:
             out["calls"] = [call.to_dict() for call in self.calls]
         if self.forward is not None:
             out["forward"] = self.forward.to_dict()
+        out["source"] = self.source
         return out
 
     @classmethod
@@ -260,6 +265,7 @@ class Node:
             created_in=data.get("created_in"),
             calls=tuple(NodeCall.from_dict(c) for c in data.get("calls", ())),
             forward=GradStat.from_dict(data["forward"]) if data.get("forward") else None,
+            source=data.get("source"),
         )
 
 

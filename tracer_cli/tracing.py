@@ -26,6 +26,7 @@ import contextlib
 import functools
 import gc
 import math
+import sys
 import threading
 import time
 import traceback
@@ -221,7 +222,8 @@ def _is_descendant(path: str, ancestor: str) -> bool:
 
 class _NodeState:
     __slots__ = (
-        "node", "name", "seq", "module", "param", "next", "calls", "in_backward", "created_in", "variable", "forward"
+        "node", "name", "seq", "module", "param", "next", "calls", "in_backward", "created_in", "variable", "forward",
+        "source",
     )
 
     def __init__(self, node: Any, in_backward: bool, is_leaf: bool):
@@ -237,6 +239,7 @@ class _NodeState:
         self.in_backward = in_backward
         self.created_in: int | None = None
         self.forward: _PendingStat | None = None
+        self.source: tuple[str, int] | None = None
 
 
 def _discovery_mode_class() -> type:
@@ -257,22 +260,81 @@ def _discovery_mode_class() -> type:
     return _DiscoveryMode
 
 
+_LIBRARY_PREFIXES: tuple[str, ...] | None = None
+
+
+def _library_prefixes() -> tuple[str, ...]:
+    """Folders whose frames are not the user's: torch and gradtrace."""
+    global _LIBRARY_PREFIXES
+    if _LIBRARY_PREFIXES is None:
+        import os
+
+        import torch
+
+        _LIBRARY_PREFIXES = tuple(
+            os.path.dirname(os.path.abspath(path)) + os.sep for path in (torch.__file__, __file__)
+        )
+    return _LIBRARY_PREFIXES
+
+
+class _SiteRecorder:
+    """Creation sites: the user's source line behind each node, recorded per op at sequence-number boundaries.
+
+    An op that creates nodes gets an interval ``[first, next)`` of sequence numbers and the
+    innermost frame outside torch and gradtrace; a node's site is found by its ``_sequence_nr()``.
+    Nodes made inside an op (``TBackward0`` of ``F.linear``) share the op's site.
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        self._next_sequence_nr = torch._C._autograd._get_sequence_nr
+        self._skip = _library_prefixes()
+        self.starts: list[int] = []
+        self.sites: list[tuple[str, int] | None] = []
+
+    def user_site(self) -> tuple[str, int] | None:
+        frame = sys._getframe(2)
+        skip = self._skip
+        while frame is not None and frame.f_code.co_filename.startswith(skip):
+            frame = frame.f_back
+        return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+    def site_at(self, seq: int) -> tuple[str, int] | None:
+        position = bisect.bisect_right(self.starts, seq) - 1
+        return self.sites[position] if position >= 0 else None
+
+
 def _forward_mode_class() -> type:
+    from torch.compiler import is_compiling
     from torch.overrides import TorchFunctionMode
 
-    class _ForwardValueMode(TorchFunctionMode):
-        """Records a statistic of each op's output, keyed by the node the op created."""
+    class _ForwardMode(TorchFunctionMode):
+        """Per op in forward: the creation site of the nodes it makes, and (optionally) its output's norm."""
 
-        def __init__(self, session: _TraceSession):
+        def __init__(self, session: _TraceSession, sites: _SiteRecorder | None):
             super().__init__()
             self.session = session
+            self.sites = sites
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            output = func(*args, **(kwargs or {}))
-            self.session.record_forward(output)
+            if is_compiling():  # torch.compile traces modes: stay out of its way (its region is one node)
+                return func(*args, **(kwargs or {}))
+            sites = self.sites
+            if sites is None:
+                output = func(*args, **(kwargs or {}))
+            else:
+                first = sites._next_sequence_nr()
+                output = func(*args, **(kwargs or {}))
+                after = sites._next_sequence_nr()
+                if after != first:  # the op made nodes: they were made here
+                    sites.starts += (first, after)
+                    sites.sites += (sites.user_site(), None)
+            if self.session.forward_stats:
+                self.session.record_forward(output)
             return output
 
-    return _ForwardValueMode
+    return _ForwardMode
 
 
 class _TraceSession:
@@ -305,6 +367,7 @@ class _TraceSession:
         self.modes: list[Any] = []
         self._mode_class = _discovery_mode_class()
         self.forward_stats = False
+        self.sites: _SiteRecorder | None = None
         # id(node) -> (node, pending stat of the forward value it produced); the node is kept so its id stays its own
         self.forward_values: dict[int, tuple[Any, _PendingStat]] = {}
         self.param_grads: list[tuple[str, _PendingStat]] = []
@@ -499,6 +562,8 @@ class _TraceSession:
         for state in self.states:  # creators come before what they create
             if state.seq is not None and not state.in_backward:
                 state.module = self.tracker.module_at(state.seq)
+                if self.sites is not None:
+                    state.source = self.sites.site_at(state.seq)
             elif state.in_backward and state.seq is not None and state.module is None and state.created_in is not None:
                 # e.g. a checkpointed function's own ops: they belong where the checkpoint was called
                 state.module = self.states[state.created_in].module
@@ -556,6 +621,7 @@ class _TraceSession:
                     created_in=None if state.created_in is None else new_id.get(state.created_in),
                     calls=calls if len(calls) > 1 else (),
                     forward=stat(state.forward),
+                    source=_format_site(state.source),
                 )
             )
         with_grad = {
@@ -607,6 +673,20 @@ class _TraceSession:
         self._seen.clear()
 
 
+def _format_site(site: tuple[str, int] | None) -> str | None:
+    """``path:line``, the path relative to the working folder when it lies inside it."""
+    if site is None:
+        return None
+    import os
+
+    path, line = site
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        relative = path
+    return f"{path if relative.startswith('..') else relative}:{line}"
+
+
 def _mixed_dtypes(tensors: list[Any], positions: list[int]) -> bool:
     first = tensors[positions[0]].dtype
     return any(tensors[p].dtype != first for p in positions)
@@ -636,6 +716,7 @@ def trace(
     target: str | None = None,
     seed: int | None = None,
     forward_stats: bool = False,
+    sources: bool = True,
     rank: int = 0,
     world_size: int = 1,
 ) -> Trace:
@@ -660,6 +741,8 @@ def trace(
             produced (``Node.forward``), for comparing runs or ranks. Costs a
             Python call per op in forward, so it is off by default.
         rank, world_size: recorded in ``meta`` (set under torchrun).
+        sources: record each node's creation site, the user's source line whose op
+            made it (``Node.source``): a frame walk per op in forward.
 
     Returns:
         A frozen :class:`~tracer_cli.records.Trace` of plain numbers and strings.
@@ -695,7 +778,9 @@ def trace(
         tracker.install()
         tracker.start_recording()
         session.forward_stats = forward_stats
-        with _forward_mode_class()(session) if forward_stats else contextlib.nullcontext():
+        session.sites = _SiteRecorder() if sources else None
+        wants_mode = forward_stats or sources
+        with _forward_mode_class()(session, session.sites) if wants_mode else contextlib.nullcontext():
             try:
                 output = model(*args, **kwargs)
             except Exception as exc:
