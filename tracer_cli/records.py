@@ -386,10 +386,37 @@ class Trace:
         """Nodes with a NaN or infinite gradient, in execution order."""
         return [n for n in self.executed() if n.nonfinite_kind is not None]
 
+    def nonfinite_origin(self) -> Node | None:
+        """Where the first non-finite gradient came from.
+
+        The first node in execution order whose grad_outputs are finite but whose
+        grad_inputs are not: the node that made the NaN or infinity, found even when a
+        later node masks it again. Failing that (the loss itself was not finite), the
+        first node with a non-finite gradient.
+        """
+        nonfinite = self.nonfinite_nodes()
+        for node in nonfinite:
+            received = [s.nonfinite_kind for s in iter_stats(node.grad_outputs)]
+            sent = [s.nonfinite_kind for s in iter_stats(node.grad_inputs)]
+            if not any(received) and any(sent):
+                return node
+        return nonfinite[0] if nonfinite else None
+
+    @staticmethod
+    def origin_kind(node: Node) -> str | None:
+        """``"nan"`` or ``"inf"``: what the node sent on (or, failing that, what it holds)."""
+        kinds = {s.nonfinite_kind for s in iter_stats(node.grad_inputs)}
+        if "nan" in kinds:
+            return "nan"
+        return "inf" if "inf" in kinds else node.nonfinite_kind
+
     def summary(self) -> dict[str, Any]:
         """The JSON ``summary`` block, derived from the nodes."""
         executed = self.executed()
+        origin = self.nonfinite_origin()
         nonfinite = self.nonfinite_nodes()
+        if origin is not None:  # the origin first, then the others in execution order
+            nonfinite = [origin] + [n for n in nonfinite if n is not origin]
         norms = [
             (stat.norm, node)
             for node in executed
@@ -410,8 +437,8 @@ class Trace:
             "nodes": len(self.nodes),
             "executed": len(executed),
             "nonfinite_nodes": len(nonfinite),
-            "first_nonfinite": brief(nonfinite[0], kind=nonfinite[0].nonfinite_kind) if nonfinite else None,
-            "nonfinite": [brief(n, kind=n.nonfinite_kind) for n in nonfinite],
+            "first_nonfinite": brief(origin, kind=self.origin_kind(origin), source=origin.source) if origin else None,
+            "nonfinite": [brief(n, kind=n.nonfinite_kind, source=n.source) for n in nonfinite],
             "param_grad_norm_total": encode_float(total),
             "largest_grad": brief(largest[1], norm=largest[0]) if largest else None,
             "smallest_nonzero_grad": brief(smallest[1], norm=smallest[0]) if smallest else None,

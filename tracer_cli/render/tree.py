@@ -73,6 +73,8 @@ class _Styler:
 
     def __init__(self, trace: Trace, marks: Mapping[int, str] | None = None, top: int = 3):
         self.marks = marks or {}
+        origin = trace.nonfinite_origin()
+        self.origin = None if origin is None else origin.id
         norms = sorted(
             {
                 stat.norm
@@ -152,6 +154,8 @@ def _node_text(node: Node, styler: _Styler, *, show_module: bool) -> Text:
         )
     if kind:
         text.append(f"  ← {kind}", style=_NONFINITE)
+        if node.source and styler.origin == node.id:
+            text.append(f" starts here ({node.source})", style=_NONFINITE)
     return text
 
 
@@ -371,11 +375,12 @@ def render_summary(trace: Trace) -> Table:
     loss.append(f"  ({meta.loss_rule})", style="dim")
     table.add_row("loss", loss)
     nonfinite = trace.nonfinite_nodes()
-    if nonfinite:
-        first = nonfinite[0]
-        text = Text(f"{len(nonfinite)} nodes; first in execution order: ", style=_NONFINITE)
-        text.append(f"#{first.id} {short_name(first.name)}", style=_NONFINITE)
-        text.append(f" {_where(first)} ({first.nonfinite_kind})", style=_NONFINITE)
+    origin = trace.nonfinite_origin()
+    if origin is not None:
+        text = Text(f"{len(nonfinite)} nodes; it starts at ", style=_NONFINITE)
+        text.append(f"#{origin.id} {short_name(origin.name)} {_where(origin)} ({trace.origin_kind(origin)})", style=_NONFINITE)
+        if origin.source:
+            text.append(f", created at {origin.source}", style=_NONFINITE)
         table.add_row("non-finite", text)
     else:
         table.add_row("non-finite", Text("none", style="green"))
