@@ -237,7 +237,9 @@ def test_leaves_are_exactly_the_parameters_and_float_inputs(name, build_kwargs):
     named = [n.param for n in t.result.nodes if n.param is not None]
     assert len(named) == len(set(named)), "one AccumulateGrad per parameter"
     assert set(named) == set(reference_grads(name, build_kwargs))
-    assert t.result.params_without_grad == ()
+    # parameters that require grad but get none from a plain backward (forgotten_layer plants two)
+    requiring = {n for n, p in params_of(t.built.model).items() if p.requires_grad}
+    assert set(t.result.params_without_grad) == requiring - set(reference_grads(name, build_kwargs))
 
 
 def test_parameter_used_inside_and_outside_reentrant_checkpoint_runs_twice():

@@ -1,51 +1,276 @@
-"""Health findings for ``--fail-on``: which gradient problems a trace (or a comparison) shows."""
+"""Health findings: which gradient problems a trace (or a comparison of ranks) shows, and which of them fail.
+
+A finding names where a problem is (node, module, parameter) and its value. Whether it fails or only
+warns is the :class:`CheckPolicy`'s decision: ``check`` fails on non-finite gradients, parameters
+without gradient and any norm threshold the user set; ``--fail-on`` adds checks, ``--warn-on``
+demotes them. Nothing here imports torch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Sequence
 
-from .records import Trace
+from .records import Node, Trace
 
-FAIL_ON = ("nonfinite", "nograd", "zero", "divergence")
+CHECKS = ("nonfinite", "nograd", "zero", "norm", "divergence")
+CHECK_DEFAULT_FAILING = ("nonfinite", "nograd")
+ALL_PARAMETERS = "(all parameters)"  # the parameter column of the total-norm finding
+_LISTED = 5  # parameter names listed in a message before "and N more"
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One problem: its kind (a ``--fail-on`` name) and a sentence naming the node or parameter."""
+    """One problem found in a trace.
+
+    Attributes:
+        kind: the check that found it (a ``--fail-on`` name).
+        detail: what is wrong, without the location (e.g. ``"‖grad‖ 3.1e+03 above --max-grad-norm 1000"``).
+        node: the node's id, when a node shows it.
+        name: that node's name (``"SqrtBackward0"``).
+        module: the module path (``""`` the root module); ``None`` outside any module or not applicable.
+        param: the parameter (or input) concerned, or ``ALL_PARAMETERS`` for the total norm.
+        value: the value found: a norm, or ``"nan"`` / ``"inf"``, or a divergence kind.
+        ranks: under torchrun, the ranks where it was found (empty: a single process, or every rank).
+    """
 
     kind: str
-    message: str
+    detail: str
+    node: int | None = None
+    name: str | None = None
+    module: str | None = None
+    param: str | None = None
+    value: float | str | None = None
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def location(self) -> str:
+        """``#5 SqrtBackward0 in act``, ``#9 AccumulateGrad (fc.weight)``, ``parameter fc.bias``."""
+        if self.node is not None:
+            where = f"#{self.node} {(self.name or '').rsplit('::', 1)[-1]}"  # torch::autograd::AccumulateGrad
+            if self.param is not None:
+                return f"{where} ({self.param})"
+            return f"{where} in {self.module or '<root>'}" if self.module is not None else f"{where} outside any module"
+        if self.param == ALL_PARAMETERS:
+            return "all parameters"
+        if self.param is not None:
+            return f"parameter {self.param}"
+        return "the model"
+
+    @property
+    def message(self) -> str:
+        """One self-contained sentence: where, then what."""
+        ranks = f" (rank {', '.join(map(str, self.ranks))} only)" if self.ranks else ""
+        return f"{self.location}: {self.detail}{ranks}"
 
 
-def parse_fail_on(text: str | None) -> tuple[str, ...]:
-    """``"nonfinite,divergence"`` → ``("nonfinite", "divergence")``.
+@dataclass(frozen=True)
+class Thresholds:
+    """Gradient-norm bounds, each applied to every parameter and to the total norm; None: not set."""
+
+    max_grad_norm: float | None = None
+    min_grad_norm: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.max_grad_norm is not None or self.min_grad_norm is not None
+
+
+@dataclass(frozen=True)
+class CheckPolicy:
+    """Which checks fail (the rest warn) and the norm thresholds."""
+
+    failing: frozenset[str] = frozenset()
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+    @classmethod
+    def build(
+        cls,
+        defaults: Iterable[str],
+        *,
+        fail_on: Iterable[str] = (),
+        warn_on: Iterable[str] = (),
+        thresholds: Thresholds | None = None,
+    ) -> CheckPolicy:
+        """The failing set: the command's ``defaults``, plus ``norm`` when a threshold is set (a threshold
+        someone set is meant to be enforced), plus ``fail_on``, less ``warn_on``."""
+        thresholds = thresholds or Thresholds()
+        failing = set(defaults) | set(fail_on) | ({"norm"} if thresholds.active else set())
+        return cls(frozenset(failing - set(warn_on)), thresholds)
+
+    def fails(self, finding: Finding) -> bool:
+        return finding.kind in self.failing
+
+
+def parse_fail_on(text: str | Iterable[str] | None, option: str = "--fail-on") -> tuple[str, ...]:
+    """``"nonfinite,divergence"`` (or a list of names) → ``("nonfinite", "divergence")``.
 
     Raises:
         ValueError: an unknown name (the message lists the known ones).
     """
     if not text:
         return ()
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in FAIL_ON]
+    parts = text.split(",") if isinstance(text, str) else list(text)
+    names = tuple(str(name).strip() for name in parts if str(name).strip())
+    unknown = [name for name in names if name not in CHECKS]
     if unknown:
-        raise ValueError(f"unknown --fail-on check {', '.join(map(repr, unknown))}; known: {', '.join(FAIL_ON)}")
+        raise ValueError(f"unknown {option} check {', '.join(map(repr, unknown))}; known: {', '.join(CHECKS)}")
     return names
 
 
-def trace_findings(trace: Trace) -> list[Finding]:
-    """Non-finite gradients, parameters without gradient, parameters whose gradient is all zero."""
-    findings = [
-        Finding("nonfinite", f"{node.nonfinite_kind} gradient at #{node.id} {node.label()}")
-        for node in trace.nonfinite_nodes()
-    ]
-    findings += [Finding("nograd", f"parameter {name} received no gradient") for name in trace.params_without_grad]
+def trace_findings(trace: Trace, thresholds: Thresholds | None = None) -> list[Finding]:
+    """Non-finite gradients, parameters without gradient, all-zero parameter gradients, norms beyond thresholds."""
+    findings = nonfinite_findings(trace)
     findings += [
-        Finding("zero", f"parameter {node.param} has an all-zero gradient")
-        for node in trace.executed()
-        if node.is_leaf and node.param and not node.param.startswith("input:") and node.grad_norm == 0
+        Finding(
+            "nograd",
+            "requires grad but received no gradient (not used in forward, or detached)",
+            module=_owner(name, trace.meta.module_types),
+            param=name,
+        )
+        for name in trace.params_without_grad
     ]
+    findings += [
+        Finding(
+            "zero",
+            "gradient is exactly zero (a dead parameter)",
+            node=node.id,
+            name=node.name,
+            module=node.module,
+            param=node.param,
+            value=0.0,
+        )
+        for node in trace.executed()
+        if _is_parameter_leaf(node) and node.grad_norm == 0
+    ]
+    if thresholds is not None and thresholds.active:
+        findings += norm_findings(trace, thresholds)
     return findings
+
+
+def nonfinite_findings(trace: Trace) -> list[Finding]:
+    """One finding per *origin* of a NaN or infinity, plus one for a non-finite loss.
+
+    An origin is a node that sends on a non-finite gradient although the gradients it received were
+    finite. Its finding says which parameters (and inputs) the value reaches, or, when it reaches none,
+    which later node masks it: a latent NaN that parameter gradients alone would never show.
+    """
+    findings = []
+    if trace.meta.loss is not None and not math.isfinite(trace.meta.loss):
+        kind = "nan" if math.isnan(trace.meta.loss) else "inf"
+        root = trace.nodes[0] if trace.nodes else None
+        findings.append(
+            Finding(
+                "nonfinite",
+                f"the loss is {kind}: the forward pass already produced it",
+                node=root.id if root else None,
+                name=root.name if root else None,
+                module=root.module if root else None,
+                value=kind,
+            )
+        )
+    bad = trace.nonfinite_nodes()
+    bad_ids = {node.id for node in bad}
+    covered: set[int] = set()
+    origins = [node for node in bad if not any(side == "out" and stat.nonfinite_kind for side, _, stat in node.stats())]
+    for node in origins + bad:  # nodes reached from no origin (their input came from nowhere visible) count as origins
+        if node.id in covered:
+            continue
+        reached = _reach(trace, node.id, bad_ids)
+        covered |= reached
+        findings.append(_nonfinite_finding(trace, node, reached))
+    return findings
+
+
+def _reach(trace: Trace, start: int, within: set[int]) -> set[int]:
+    """Ids reachable from ``start`` along ``next`` through nodes of ``within`` (where the gradient flowed on)."""
+    seen = {start}
+    queue = deque([start])
+    while queue:
+        for child in trace.nodes[queue.popleft()].next:
+            if child is not None and child in within and child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return seen
+
+
+def _nonfinite_finding(trace: Trace, origin: Node, reached: set[int]) -> Finding:
+    kind = origin.nonfinite_kind or "nan"
+    nodes = sorted((trace.nodes[i] for i in reached), key=lambda n: (n.order is None, n.order or 0))
+    params = [n.param for n in nodes if n.is_leaf and n.param is not None]
+    if origin.is_leaf:
+        detail = f"{kind} gradient"
+    elif any(side == "out" and stat.nonfinite_kind for side, _, stat in origin.stats()):
+        detail = f"{kind} gradient arrives here (grad_out)"
+    else:
+        detail = f"{kind} first appears here: grad_out finite, grad_in {kind}"
+    if params:
+        others = len(nodes) - 1
+        detail += f"; reaches {others} more node{'s' * (others != 1)} and the gradient of {_names(params)}"
+    elif not origin.is_leaf:
+        maskers = [
+            n
+            for n in nodes
+            if not n.is_leaf and not any(side == "in" and stat.nonfinite_kind for side, _, stat in n.stats())
+        ]
+        by = f" by #{maskers[0].id} {maskers[0].name}" if maskers and maskers[0].id != origin.id else " further on"
+        detail += f"; masked{by}, so no parameter gradient shows it (a latent {kind})"
+    return Finding(
+        "nonfinite", detail, node=origin.id, name=origin.name, module=origin.module, param=origin.param, value=kind
+    )
+
+
+def norm_findings(trace: Trace, thresholds: Thresholds) -> list[Finding]:
+    """Parameter gradient norms (each, and the total) above ``max_grad_norm`` or below ``min_grad_norm``.
+
+    Norms are those of each parameter's ``.grad`` after backward (under DDP: averaged across ranks).
+    Non-finite norms are left to the non-finite check.
+    """
+    norms = parameter_grad_norms(trace)
+    leaves = {node.param: node for node in trace.nodes if _is_parameter_leaf(node)}
+    findings = []
+
+    def judge(norm: float, **where: Any) -> None:
+        if not math.isfinite(norm):
+            return
+        if thresholds.max_grad_norm is not None and norm > thresholds.max_grad_norm:
+            detail = f"‖grad‖ {norm:.4g} above --max-grad-norm {thresholds.max_grad_norm:g}"
+        elif thresholds.min_grad_norm is not None and norm < thresholds.min_grad_norm:
+            detail = f"‖grad‖ {norm:.4g} below --min-grad-norm {thresholds.min_grad_norm:g}"
+        else:
+            return
+        if where["param"] == ALL_PARAMETERS:
+            detail = f"total {detail} ({len(norms)} parameters)"
+        findings.append(Finding("norm", detail, value=norm, **where))
+
+    for name, norm in norms.items():
+        leaf = leaves.get(name)
+        judge(
+            norm,
+            node=leaf.id if leaf else None,
+            name=leaf.name if leaf else None,
+            module=leaf.module if leaf else _owner(name, trace.meta.module_types),
+            param=name,
+        )
+    # the most extreme first: largest above the maximum, then smallest below the minimum
+    findings.sort(key=lambda f: -f.value if "above" in f.detail else f.value)  # type: ignore[operator]
+    if norms:
+        judge(math.sqrt(sum(v * v for v in norms.values())), param=ALL_PARAMETERS)
+    return findings
+
+
+def parameter_grad_norms(trace: Trace) -> dict[str, float]:
+    """Each parameter's gradient norm, by name: its ``.grad`` after backward, else its AccumulateGrad's."""
+    norms = {name: stat.norm for name, stat in trace.param_grads if stat is not None and stat.norm is not None}
+    if norms:
+        return norms
+    return {
+        node.param: node.grad_norm
+        for node in trace.executed()
+        if _is_parameter_leaf(node) and node.grad_norm is not None
+    }
 
 
 def comparison_findings(comparison: dict[str, Any]) -> list[Finding]:
@@ -53,18 +278,135 @@ def comparison_findings(comparison: dict[str, Any]) -> list[Finding]:
     first = comparison.get("first_divergent")
     findings = []
     if first is not None:
-        where = first["param"] or (first["module"] if first["module"] is not None else "outside any module")
+        ranks = first["ranks"]
+        who = f"rank {ranks[0]} differs" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} differ"
         findings.append(
-            Finding("divergence", f"{first['kind']} divergence at #{first['id']} {first['name']} ({where}), ranks {first['ranks']}")
+            Finding(
+                "divergence",
+                f"{first['kind']} divergence: {who} here",
+                node=first["id"],
+                name=first["name"],
+                module=first["module"],
+                param=first["param"],
+                value=first["kind"],
+            )
         )
     else:  # with an origin, differing parameter gradients are its consequence, not news
         findings += [
-            Finding("divergence", f"parameter {name} has different gradients across ranks after backward")
+            Finding("divergence", "gradients differ across ranks after backward", module=_owner(name), param=name)
             for name in comparison.get("unsynchronized_params", ())
         ]
     return findings
 
 
-def failing(findings: list[Finding], fail_on: tuple[str, ...]) -> list[Finding]:
-    """The findings whose kind was asked for with ``--fail-on``."""
+def merge_rank_findings(per_rank: Sequence[Sequence[Finding]]) -> list[Finding]:
+    """The findings of every rank, each once; one found on some ranks only says which."""
+    seen: dict[Finding, list[int]] = {}
+    for rank, findings in enumerate(per_rank):
+        for finding in findings:
+            seen.setdefault(finding, []).append(rank)
+    everywhere = len(per_rank)
+    return [
+        finding if len(ranks) == everywhere else replace(finding, ranks=tuple(ranks)) for finding, ranks in seen.items()
+    ]
+
+
+def failing(findings: list[Finding], fail_on: Iterable[str]) -> list[Finding]:
+    """The findings whose kind is in ``fail_on``."""
+    fail_on = set(fail_on)
     return [finding for finding in findings if finding.kind in fail_on]
+
+
+@dataclass(frozen=True)
+class TargetReport:
+    """The verdict on one target: the checks run, every finding, and which of them fail.
+
+    Attributes:
+        target: the target as given.
+        checks: the checks that ran (``norm`` only with a threshold, ``divergence`` only across ranks).
+        findings: every finding, failing or not.
+        policy: what fails.
+        error: why the target could not be checked (it did not load, or raised); then ``checks`` is empty.
+        error_type: the error's class name.
+        exit_code: the exit code the error maps to.
+        time_s: how long loading and tracing took.
+        summary: a line about the trace (nodes, loss, total norm) for the report.
+    """
+
+    target: str
+    checks: tuple[str, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    policy: CheckPolicy = field(default_factory=CheckPolicy)
+    error: str | None = None
+    error_type: str | None = None
+    exit_code: int | None = None
+    time_s: float | None = None
+    summary: str = ""
+
+    @property
+    def failures(self) -> list[Finding]:
+        return [f for f in self.findings if self.policy.fails(f)]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if not self.policy.fails(f)]
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and not self.failures
+
+
+def check_traces(
+    traces: Sequence[Trace], policy: CheckPolicy, comparison: dict[str, Any] | None = None, target: str | None = None
+) -> TargetReport:
+    """Evaluate every check on the traces of one target (one per rank) and, across ranks, their comparison."""
+    per_rank = [trace_findings(t, policy.thresholds) for t in traces]
+    findings = merge_rank_findings(per_rank) if len(per_rank) > 1 else per_rank[0]
+    checks = ["nonfinite", "nograd", "zero"] + (["norm"] if policy.thresholds.active else [])
+    if comparison is not None:
+        findings += comparison_findings(comparison)
+        checks.append("divergence")
+    first = traces[0]
+    return TargetReport(
+        target=target or first.meta.target,
+        checks=tuple(checks),
+        findings=tuple(findings),
+        policy=policy,
+        time_s=max(t.meta.timings_s.get("total", 0.0) for t in traces),
+        summary=_trace_line(first, len(traces)),
+    )
+
+
+def _trace_line(trace: Trace, ranks: int) -> str:
+    summary = trace.summary()
+    loss = trace.meta.loss
+    parts = [f"{summary['nodes']} nodes, {summary['executed']} ran"]
+    if ranks > 1:
+        parts.append(f"{ranks} ranks")
+    if loss is not None:
+        parts.append(f"loss {loss:.6g}")
+    total = summary["param_grad_norm_total"]
+    if total is not None:
+        parts.append(f"params ‖grad‖ {float(total):.3g}")
+    return " · ".join(parts)
+
+
+def _is_parameter_leaf(node: Node) -> bool:
+    return node.is_leaf and node.param is not None and not node.param.startswith("input:")
+
+
+def _owner(param: str, modules: dict[str, str] | None = None) -> str | None:
+    """The module path that owns a parameter name (``"fc1.weight"`` → ``"fc1"``, ``"weight"`` → ``""``).
+
+    With the trace's module paths known, a name owned by none of them (a plain function's global
+    tensor) gives None: outside any module.
+    """
+    owner = param.rpartition(".")[0]
+    if modules is not None and owner not in modules:
+        return None
+    return owner
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:_LISTED])
+    return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")

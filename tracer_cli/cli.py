@@ -141,11 +141,90 @@ class _Status:
             self._status.stop()
 
 
-@dataclass
-class _RunOptions:
-    """The parsed options of ``gradtrace run``."""
+# The options of `run` and `check`, defined once. Both commands list them; `_options` reads their values
+# from the click context (after `[tool.gradtrace]` defaults), so neither command body copies them.
+_INPUT = typer.Option(
+    None,
+    "--input",
+    "-i",
+    metavar="SPEC",
+    help="Input spec DTYPE[D0,D1,...][:INIT], e.g. float32[8,3,32,32], int64[2,128]:randint(0,50257). "
+    "Repeat for more arguments; NAME=SPEC for keyword arguments. Overrides example_inputs().",
+    show_default=False,
+)
+_INPUTS = typer.Option(
+    None, "--inputs", metavar="FILE", help="Inputs from a .pt file of tensors (loaded with "
+    "weights_only=True) or a .json list of specs.", show_default=False,
+)
+_SEED = typer.Option(0, "--seed", help="Seed set before the model and the inputs are built.")
+_DEVICE = typer.Option(
+    "cpu", "--device", help="Device for the model and inputs, e.g. cpu, cuda, cuda:1 (under torchrun, cuda means "
+    "cuda:LOCAL_RANK)."
+)
+_EVAL = typer.Option(
+    False, "--eval", help="Trace in eval mode (default: the mode the model is in). The mode is restored."
+)
+_NO_INPUT_GRAD = typer.Option(
+    False, "--no-input-grad", help="Do not make floating-point inputs require grad (no input:N leaves)."
+)
+_LOSS = typer.Option(
+    LossReduction.sum, "--loss", help="Without loss_fn, reduce each floating-point output with .sum() or .mean()."
+)
+_VIEW = typer.Option(
+    View.modules, "--view", help="modules: nodes grouped under the module tree; graph: the backward graph from the loss."
+)
+_MAX_NODES = typer.Option(200, "--max-nodes", min=1, help="Show at most this many node lines.")
+_DEPTH = typer.Option(
+    None, "--depth", min=0, help="Show modules (or graph branches) down to this depth; deeper ones are summarised.",
+    show_default=False,
+)
+_FILTER = typer.Option(
+    None, "--filter", metavar="REGEX", help="Show only nodes whose name, module or parameter matches.",
+    show_default=False,
+)
+_ALL = typer.Option(False, "--all", help="Show every node line (no --max-nodes bound).")
+_CHECK_NAMES = "nonfinite (NaN/Inf gradients), nograd (parameters without gradient), zero (all-zero parameter " \
+    "gradients), norm (outside --max-grad-norm/--min-grad-norm), divergence (ranks disagree)"
+_FAIL_ON = typer.Option(
+    None, "--fail-on", metavar="CHECKS", help=f"Exit 1 when any of these is found (comma list): {_CHECK_NAMES}. "
+    "Added to the checks that fail anyway (check: nonfinite, nograd; norm when a threshold is set).",
+    show_default=False,
+)
+_WARN_ON = typer.Option(
+    None, "--warn-on", metavar="CHECKS", help="Only warn about these checks (comma list), even where they would "
+    "fail, e.g. nograd for a model with a parameter it does not use on purpose.", show_default=False,
+)
+_MAX_GRAD_NORM = typer.Option(
+    None, "--max-grad-norm", min=0.0, metavar="X", help="Flag parameters whose gradient norm is above X, and a total "
+    "norm (all parameters) above X. Setting it makes the norm check fail.", show_default=False,
+)
+_MIN_GRAD_NORM = typer.Option(
+    None, "--min-grad-norm", min=0.0, metavar="X", help="Flag parameters whose gradient norm is below X (vanishing), "
+    "and a total norm below X. Setting it makes the norm check fail.", show_default=False,
+)
+_NPROC_PER_NODE = typer.Option(
+    None, "--nproc-per-node", min=1, metavar="N", help="Launch N local ranks with torch's elastic launcher "
+    "(as torchrun --standalone) and compare them.", show_default=False,
+)
+_RANKS = typer.Option(
+    "all", "--ranks", metavar="RANKS", help="Under torchrun: whose trees to print, e.g. 0,2 or all."
+)
+_RANK_SEED = typer.Option(
+    False, "--rank-seed", help="Under torchrun: offset the seed by the rank (different data per rank)."
+)
+_RTOL = typer.Option(1e-5, "--rtol", min=0.0, help="Relative tolerance when comparing ranks.")
+_TIMEOUT = typer.Option(
+    120.0, "--timeout", min=1.0, metavar="SECONDS", help="Under torchrun: how long to wait for the other ranks."
+)
+_DEBUG = typer.Option(False, "--debug", help="Show full tracebacks, gradtrace's own frames included.")
 
-    target: str
+
+@dataclass
+class _Options:
+    """The parsed options of ``run`` or ``check``, with ``[tool.gradtrace]`` defaults applied."""
+
+    command: str  # "run" or "check"
+    targets: list[str]
     input_specs: list[str]
     inputs_file: str | None
     seed: int
@@ -154,12 +233,14 @@ class _RunOptions:
     input_grad: bool
     loss: str
     json_path: str | None
+    junit_xml: str | None
+    show_tree: bool
     tree: Any  # TreeOptions
     ranks: str
     rank_seed: bool
     rtol: float
     timeout: float
-    fail_on: tuple[str, ...]
+    policy: Any  # CheckPolicy
     debug: bool
 
 
@@ -172,126 +253,211 @@ def run(
         help="Model file or import path: model.py, model.py:NAME or package.module:NAME.",
         show_default=False,
     ),
-    input: Optional[List[str]] = typer.Option(
-        None,
-        "--input",
-        "-i",
-        metavar="SPEC",
-        help="Input spec DTYPE[D0,D1,...][:INIT], e.g. float32[8,3,32,32], int64[2,128]:randint(0,50257). "
-        "Repeat for more arguments; NAME=SPEC for keyword arguments. Overrides example_inputs().",
-        show_default=False,
-    ),
-    inputs: Optional[Path] = typer.Option(
-        None, "--inputs", metavar="FILE", help="Inputs from a .pt file of tensors (loaded with "
-        "weights_only=True) or a .json list of specs.", show_default=False,
-    ),
-    seed: int = typer.Option(0, "--seed", help="Seed set before the model and the inputs are built."),
-    device: str = typer.Option(
-        "cpu", "--device", help="Device for the model and inputs, e.g. cpu, cuda, cuda:1 (under torchrun, cuda means "
-        "cuda:LOCAL_RANK)."
-    ),
-    eval_mode: bool = typer.Option(
-        False, "--eval", help="Trace in eval mode (default: the mode the model is in). The mode is restored."
-    ),
-    no_input_grad: bool = typer.Option(
-        False, "--no-input-grad", help="Do not make floating-point inputs require grad (no input:N leaves)."
-    ),
-    loss: LossReduction = typer.Option(
-        LossReduction.sum, "--loss", help="Without loss_fn, reduce each floating-point output with .sum() or .mean()."
-    ),
+    input: Optional[List[str]] = _INPUT,
+    inputs: Optional[Path] = _INPUTS,
+    seed: int = _SEED,
+    device: str = _DEVICE,
+    eval_mode: bool = _EVAL,
+    no_input_grad: bool = _NO_INPUT_GRAD,
+    loss: LossReduction = _LOSS,
     json_path: Optional[str] = typer.Option(
         None, "--json", metavar="PATH", help="Write the trace as JSON to PATH; '-' writes it alone to stdout. "
         "Under torchrun rank 0 writes one file with every rank and the comparison.",
         show_default=False,
     ),
-    view: View = typer.Option(
-        View.modules, "--view", help="modules: nodes grouped under the module tree; graph: the backward graph from the loss."
-    ),
-    max_nodes: int = typer.Option(200, "--max-nodes", min=1, help="Show at most this many node lines."),
-    depth: Optional[int] = typer.Option(
-        None, "--depth", min=0, help="Show modules (or graph branches) down to this depth; deeper ones are summarised.",
-        show_default=False,
-    ),
-    pattern: Optional[str] = typer.Option(
-        None, "--filter", metavar="REGEX", help="Show only nodes whose name, module or parameter matches.",
-        show_default=False,
-    ),
-    show_all: bool = typer.Option(False, "--all", help="Show every node line (no --max-nodes bound)."),
-    fail_on: Optional[str] = typer.Option(
-        None, "--fail-on", metavar="CHECKS", help="Exit 1 when any of these is found (comma list): nonfinite "
-        "(NaN/Inf gradients), nograd (parameters without gradient), zero (all-zero parameter gradients), "
-        "divergence (ranks disagree).", show_default=False,
-    ),
-    nproc_per_node: Optional[int] = typer.Option(
-        None, "--nproc-per-node", min=1, metavar="N", help="Launch N local ranks with torch's elastic launcher "
-        "(as torchrun --standalone) and compare them.", show_default=False,
-    ),
-    ranks: str = typer.Option("all", "--ranks", metavar="RANKS", help="Under torchrun: whose trees to print, "
-        "e.g. 0,2 or all."),
-    rank_seed: bool = typer.Option(
-        False, "--rank-seed", help="Under torchrun: offset the seed by the rank (different data per rank)."
-    ),
-    rtol: float = typer.Option(1e-5, "--rtol", min=0.0, help="Relative tolerance when comparing ranks."),
-    timeout: float = typer.Option(
-        120.0, "--timeout", min=1.0, metavar="SECONDS", help="Under torchrun: how long to wait for the other ranks."
-    ),
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks, gradtrace's own frames included."),
+    view: View = _VIEW,
+    max_nodes: int = _MAX_NODES,
+    depth: Optional[int] = _DEPTH,
+    pattern: Optional[str] = _FILTER,
+    show_all: bool = _ALL,
+    fail_on: Optional[str] = _FAIL_ON,
+    warn_on: Optional[str] = _WARN_ON,
+    max_grad_norm: Optional[float] = _MAX_GRAD_NORM,
+    min_grad_norm: Optional[float] = _MIN_GRAD_NORM,
+    nproc_per_node: Optional[int] = _NPROC_PER_NODE,
+    ranks: str = _RANKS,
+    rank_seed: bool = _RANK_SEED,
+    rtol: float = _RTOL,
+    timeout: float = _TIMEOUT,
+    debug: bool = _DEBUG,
 ) -> None:
-    """Run forward and backward with a hook on every autograd node and show what each node saw.
+    """Run forward and backward with a hook on every autograd node; show what each saw.
 
-    Prints a tree of backward nodes (name, module, grad_in/grad_out shapes and norms) and a summary. Under torchrun
-    (or with --nproc-per-node) every rank traces and rank 0 compares them.
+    Prints a tree of backward nodes (name, module, grad_in/grad_out shapes and
+    norms) and a summary. Under torchrun (or with --nproc-per-node) every rank
+    traces and rank 0 compares them. Defaults come from the tool.gradtrace table
+    of the nearest pyproject.toml.
 
-    Exit codes: 0 ok, 1 a --fail-on check failed, 2 usage or input-spec error, 3 the model could not be loaded or
-    raised, 70 internal error, 130 interrupted.
+    Exit codes: 0 ok, 1 a --fail-on check failed, 2 usage or input-spec error,
+    3 the model could not be loaded or raised, 70 internal error, 130 interrupted.
     """
+    _guarded(debug, lambda: _execute(ctx))
 
-    def body() -> int:
-        import re
 
-        from .checks import parse_fail_on
-        from .errors import UsageError
-        from .render.tree import TreeOptions
+@app.command()
+def check(
+    ctx: typer.Context,
+    targets: Optional[List[str]] = typer.Argument(
+        None,
+        metavar="TARGET...",
+        help="Model files or import paths (model.py, model.py:NAME, package.module:NAME); default: the targets "
+        "key of the tool.gradtrace table in pyproject.toml.",
+        show_default=False,
+    ),
+    input: Optional[List[str]] = _INPUT,
+    inputs: Optional[Path] = _INPUTS,
+    seed: int = _SEED,
+    device: str = _DEVICE,
+    eval_mode: bool = _EVAL,
+    no_input_grad: bool = _NO_INPUT_GRAD,
+    loss: LossReduction = _LOSS,
+    fail_on: Optional[str] = _FAIL_ON,
+    warn_on: Optional[str] = _WARN_ON,
+    max_grad_norm: Optional[float] = _MAX_GRAD_NORM,
+    min_grad_norm: Optional[float] = _MIN_GRAD_NORM,
+    junit_xml: Optional[str] = typer.Option(
+        None, "--junit-xml", metavar="PATH", help="Write a JUnit XML report to PATH: a test case per check and "
+        "target, failures carrying the findings.", show_default=False,
+    ),
+    tree: bool = typer.Option(False, "--tree", help="Also print each target's node tree and summary."),
+    view: View = _VIEW,
+    max_nodes: int = _MAX_NODES,
+    depth: Optional[int] = _DEPTH,
+    pattern: Optional[str] = _FILTER,
+    show_all: bool = _ALL,
+    nproc_per_node: Optional[int] = _NPROC_PER_NODE,
+    ranks: str = _RANKS,
+    rank_seed: bool = _RANK_SEED,
+    rtol: float = _RTOL,
+    timeout: float = _TIMEOUT,
+    debug: bool = _DEBUG,
+) -> None:
+    """Check gradient health: trace each target, fail on unhealthy gradients (for CI).
 
-        if pattern is not None:
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise UsageError(f"invalid --filter regular expression {pattern!r}: {exc}") from exc
-        try:
-            checks = parse_fail_on(fail_on)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
-        options = _RunOptions(
-            target=target,
-            input_specs=list(input or []),
-            inputs_file=str(inputs) if inputs is not None else None,
-            seed=seed,
-            device=device,
-            eval_mode=eval_mode,
-            input_grad=not no_input_grad,
-            loss=loss.value,
-            json_path=json_path,
-            tree=TreeOptions(view=view.value, max_nodes=None if show_all else max_nodes, depth=depth, pattern=pattern),
-            ranks=ranks,
-            rank_seed=rank_seed,
-            rtol=rtol,
-            timeout=timeout,
-            fail_on=checks,
-            debug=debug,
-        )
-        from .distributed import launch, rank_info
+    Findings: non-finite gradients anywhere in the graph (also masked ones),
+    parameters without gradient, all-zero parameter gradients, norms outside
+    --max-grad-norm/--min-grad-norm, ranks that disagree. Failing by default:
+    nonfinite, nograd, and norm when a threshold is set; the others warn unless
+    named in --fail-on. Prints a findings table per target and a verdict line;
+    with GITHUB_ACTIONS=true also ::error/::warning annotation lines. Defaults
+    come from the tool.gradtrace table of the nearest pyproject.toml.
 
-        info = rank_info()
-        if nproc_per_node is not None:
-            if info is not None:
-                raise UsageError("--nproc-per-node launches ranks itself: do not combine it with torchrun")
-            return launch(nproc_per_node, _forwarded_args(ctx, drop={"nproc_per_node"}))
-        if info is None:
-            return _run_single(options)
+    Exit codes: 0 healthy, 1 failing findings, 2 usage or input-spec error,
+    3 a model could not be loaded or raised, 70 internal error, 130 interrupted.
+    """
+    _guarded(debug, lambda: _execute(ctx))
+
+
+def _execute(ctx: typer.Context) -> int:
+    """The body of ``run`` and ``check``: options, then one process, torchrun ranks, or the launcher."""
+    from .distributed import launch, rank_info
+    from .errors import UsageError
+
+    options = _options(ctx)
+    info = rank_info()
+    nproc_per_node = ctx.params["nproc_per_node"]
+    if nproc_per_node is not None:
+        if info is not None:
+            raise UsageError("--nproc-per-node launches ranks itself: do not combine it with torchrun")
+        return launch(nproc_per_node, _forwarded_args(ctx, drop={"nproc_per_node"}))
+    if info is not None:
         return _run_ranks(options, info)
+    if options.command == "check":
+        return _check_single(options)
+    return _run_single(options)
 
-    _guarded(debug, body)
+
+def _options(ctx: typer.Context) -> _Options:
+    """Validate the command's parameters, with ``[tool.gradtrace]`` defaults for those not given."""
+    import re
+
+    from .checks import CHECK_DEFAULT_FAILING, CheckPolicy, Thresholds, parse_fail_on
+    from .config import load_config
+    from .errors import UsageError
+    from .render.tree import TreeOptions
+
+    command = ctx.info_name or "run"
+    params = _with_config(ctx, load_config())
+    pattern = params["pattern"]
+    if pattern is not None:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise UsageError(f"invalid --filter regular expression {pattern!r}: {exc}") from exc
+    try:
+        fail_on = parse_fail_on(params["fail_on"])
+        warn_on = parse_fail_on(params["warn_on"], option="--warn-on")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    thresholds = Thresholds(params["max_grad_norm"], params["min_grad_norm"])
+    if None not in (thresholds.max_grad_norm, thresholds.min_grad_norm) and (
+        thresholds.min_grad_norm > thresholds.max_grad_norm  # type: ignore[operator]
+    ):
+        raise UsageError(
+            f"--min-grad-norm {thresholds.min_grad_norm:g} is above --max-grad-norm {thresholds.max_grad_norm:g}"
+        )
+    targets = [params["target"]] if command == "run" else list(params["targets"] or [])
+    if not targets:
+        raise UsageError(
+            "no targets to check",
+            hint="name model files (gradtrace check model.py other.py) or set targets = [...] in [tool.gradtrace] "
+            "of pyproject.toml",
+        )
+    inputs = params["inputs"]
+    return _Options(
+        command=command,
+        targets=targets,
+        input_specs=list(params["input"] or []),
+        inputs_file=str(inputs) if inputs is not None else None,
+        seed=params["seed"],
+        device=params["device"],
+        eval_mode=params["eval_mode"],
+        input_grad=not params["no_input_grad"],
+        loss=_plain(params["loss"]),
+        json_path=params.get("json_path"),
+        junit_xml=params.get("junit_xml"),
+        show_tree=command == "run" or params.get("tree", False),
+        tree=TreeOptions(
+            view=_plain(params["view"]),
+            max_nodes=None if params["show_all"] else params["max_nodes"],
+            depth=params["depth"],
+            pattern=pattern,
+        ),
+        ranks=params["ranks"],
+        rank_seed=params["rank_seed"],
+        rtol=params["rtol"],
+        timeout=params["timeout"],
+        policy=CheckPolicy.build(
+            CHECK_DEFAULT_FAILING if command == "check" else (), fail_on=fail_on, warn_on=warn_on, thresholds=thresholds
+        ),
+        debug=params["debug"],
+    )
+
+
+def _with_config(ctx: typer.Context, config: Any) -> dict[str, Any]:
+    """The command's parameter values, where ``[tool.gradtrace]`` replaces those left at their defaults.
+
+    ``--input`` and ``--inputs`` are one choice: either on the command line replaces both config keys.
+    Keys for options this command does not have (``targets`` for ``run``) are ignored.
+    """
+    params = dict(ctx.params)
+    by_key = {opt[2:]: param.name for param in ctx.command.params for opt in param.opts if opt.startswith("--")}
+    if "targets" in params:
+        by_key["targets"] = "targets"
+    # by name: Typer may run on its own copy of click, whose ParameterSource is another enum
+    defaulted = {None, "DEFAULT", "DEFAULT_MAP"}
+    given = {name for name in params if getattr(ctx.get_parameter_source(name), "name", None) not in defaulted}
+    if given & {"input", "inputs"}:
+        given |= {"input", "inputs"}
+    for key, value in config.values.items():
+        name = by_key.get(key)
+        if name is not None and name not in given:
+            params[name] = value
+    return params
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
 
 
 def _forwarded_args(ctx: typer.Context, drop: set[str]) -> list[str]:
@@ -310,20 +476,24 @@ def _forwarded_args(ctx: typer.Context, drop: set[str]) -> list[str]:
             for item in value:
                 args += [flag, str(item)]
         else:
-            args += [flag, str(value.value if isinstance(value, Enum) else value)]
+            args += [flag, str(_plain(value))]
     for param in ctx.command.params:
         if param.param_type_name == "argument":
-            args.append(str(ctx.params[param.name]))
-    return ["run", *args]
+            value = ctx.params[param.name]
+            if isinstance(value, (list, tuple)):
+                args += [str(item) for item in value]
+            elif value is not None:
+                args.append(str(value))
+    return [ctx.info_name or "run", *args]
 
 
-def _trace(options: _RunOptions, *, seed: int, device: str, rank: int = 0, world_size: int = 1) -> Any:
-    """Load the target, make the inputs and trace: the library calls behind ``run``."""
+def _trace(options: _Options, target: str, *, seed: int, device: str, rank: int = 0, world_size: int = 1) -> Any:
+    """Load one target, make its inputs and trace it: the library calls behind ``run`` and ``check``."""
     from .loading import prepare_run
     from .tracing import trace
 
     prepared = prepare_run(
-        options.target, input_specs=options.input_specs, inputs_file=options.inputs_file, seed=seed, device=device
+        target, input_specs=options.input_specs, inputs_file=options.inputs_file, seed=seed, device=device
     )
     return trace(
         prepared.loaded.model,
@@ -333,7 +503,7 @@ def _trace(options: _RunOptions, *, seed: int, device: str, rank: int = 0, world
         loss_reduction=options.loss,
         input_grad=options.input_grad,
         train=False if options.eval_mode else None,
-        target=options.target,
+        target=target,
         seed=seed,
         forward_stats=world_size > 1,
         rank=rank,
@@ -341,16 +511,21 @@ def _trace(options: _RunOptions, *, seed: int, device: str, rank: int = 0, world
     )
 
 
-def _run_single(options: _RunOptions) -> int:
-    from .checks import failing, trace_findings
-
+def _traced(options: _Options, target: str) -> Any:
+    """``_trace`` in this process, with the spinner."""
     status = _Status()
     try:
-        status.update("loading the model, then running forward and backward")
-        result = _trace(options, seed=options.seed, device=options.device)
+        status.update(f"{target}: loading the model, then running forward and backward")
+        return _trace(options, target, seed=options.seed, device=options.device)
     finally:
         status.stop()
-    findings = failing(trace_findings(result), options.fail_on)
+
+
+def _run_single(options: _Options) -> int:
+    from .checks import trace_findings
+
+    result = _traced(options, options.targets[0])
+    findings = [f for f in trace_findings(result, options.policy.thresholds) if options.policy.fails(f)]
     if options.json_path is not None:
         from .render.json import dumps
 
@@ -369,8 +544,81 @@ def _run_single(options: _RunOptions) -> int:
     return _verdict(findings)
 
 
-def _run_ranks(options: _RunOptions, info: Any) -> int:
-    """Every rank traces; rank 0 gathers, compares, prints every rank's lines with their prefix."""
+def _check_single(options: _Options) -> int:
+    """Trace and check each target in turn; one that fails to load or raises is reported, the rest still run."""
+    from .checks import check_traces
+    from .render.findings import render_report
+    from .render.tree import render_trace
+
+    console = _log_console()
+    reports = []
+    for target in options.targets:
+        try:
+            result = _traced(options, target)
+        except GradtraceError as error:
+            reports.append(_error_report(options, target, error, _report(error, options.debug)))
+            console.print(render_report(reports[-1]), soft_wrap=True)
+            continue
+        if options.show_tree:
+            console.print(render_trace(result, options.tree))
+        reports.append(check_traces([result], options.policy, target=target))
+        console.print(render_report(reports[-1]))
+    return _finish_check(options, reports, console, "")
+
+
+def _error_report(options: _Options, target: str, error: GradtraceError, code: int) -> Any:
+    from .checks import TargetReport
+
+    return TargetReport(
+        target, policy=options.policy, error=error.message, error_type=type(error).__name__, exit_code=code
+    )
+
+
+def _finish_check(options: _Options, reports: list[Any], console: Any, prefix: str) -> int:
+    """The verdict line, the JUnit file, GitHub annotations; the exit code (a target's error wins over findings)."""
+    import os
+
+    from .render.comparison import prefixed_lines
+    from .render.findings import verdict
+    from .render.github import annotations, in_github_actions
+
+    for line in prefixed_lines(console, verdict(reports), prefix):
+        console.print(line, soft_wrap=True)
+    if options.junit_xml is not None:
+        from .errors import UsageError
+        from .render.junit import junit_xml
+
+        try:
+            Path(options.junit_xml).write_text(junit_xml(reports), encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"cannot write {options.junit_xml}: {exc.strerror or exc}") from exc
+        _stderr_console().print(f"{prefix}JUnit XML written to {options.junit_xml}", style="dim", markup=False)
+    if in_github_actions(os.environ):
+        sys.stdout.write("".join(line + "\n" for line in annotations(reports)))
+        sys.stdout.flush()
+    errors = [r.exit_code for r in reports if r.error is not None]
+    if errors:
+        return errors[0]
+    return ExitCode.GRADIENT_PROBLEMS if any(r.failures for r in reports) else ExitCode.OK
+
+
+def _log_console() -> Any:
+    """stdout; when it is not a terminal (a CI log, a pipe), wide enough that table rows are not folded."""
+    import os
+
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(highlight=False, width=_LOG_WIDTH)
+    return console
+
+
+_LOG_WIDTH = 200
+
+
+def _run_ranks(options: _Options, info: Any) -> int:
+    """Every rank traces each target; rank 0 gathers, compares, prints every rank's lines with their prefix."""
     import os
 
     from .distributed import ProcessGroup
@@ -379,53 +627,102 @@ def _run_ranks(options: _RunOptions, info: Any) -> int:
     try:
         device = group.start(options.device)
         seed = options.seed + info.rank if options.rank_seed else options.seed
-        result = _trace(options, seed=seed, device=device, rank=info.rank, world_size=info.world_size)
-        documents = group.gather(result.to_dict())
-        code = _compare_and_show(options, documents) if info.rank == 0 else ExitCode.OK
+        console = _log_console() if options.command == "check" else None
+        code: int = ExitCode.OK
+        reports = []
+        for target in options.targets:
+            result = _trace(options, target, seed=seed, device=device, rank=info.rank, world_size=info.world_size)
+            documents = group.gather(result.to_dict())
+            if info.rank != 0:
+                continue
+            if options.command == "run":
+                code = _compare_and_show(options, documents)
+            else:
+                reports.append(_check_ranks(options, target, documents, console))
+        if info.rank == 0 and options.command == "check":
+            code = _finish_check(options, reports, console, info.prefix)
         code = group.broadcast(int(code))
         group.close()
         return code
     except BaseException as error:  # noqa: BLE001 - every failure ends this rank at once
+        from .distributed import lost_peer
+        from .errors import ModelError
+
+        echo = lost_peer(error) and not isinstance(error, KeyboardInterrupt)
+        if echo:  # not this rank's fault: say so, and let the failing rank be seen first
+            error = ModelError(
+                f"another rank failed or went away while this one waited for it: {error}",
+                hint="the first error above, from another rank, is the cause",
+            )
         code = _report(error, options.debug, prefix=info.prefix)
+        if echo:
+            import time
+
+            time.sleep(2.0)  # torchrun's agent usually stops this rank first, naming the real culprit
         # Exit now, skipping interpreter shutdown: the process group's destructors could wait on ranks
         # that are blocked in a collective. torchrun's agent sees the exit and stops the other ranks.
         os._exit(int(code))
 
 
-def _compare_and_show(options: _RunOptions, documents: list[dict[str, Any]]) -> int:
-    """Rank 0's part: compare the gathered traces, print the trees and the verdict, write the merged JSON."""
-    from dataclasses import replace
-
-    from rich.console import Console
-
-    from .checks import comparison_findings, failing, trace_findings
+def _compared(options: _Options, documents: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any]]:
+    """The gathered traces and their comparison."""
     from .compare import compare
     from .records import Trace
-    from .render.comparison import divergence_marks, prefixed_lines, render_comparison
-    from .render.json import dumps_merged
-    from .render.tree import render_trace
 
     traces = [Trace.from_dict(document) for document in documents]
-    comparison = compare(traces, rtol=options.rtol, inputs_differ=options.rank_seed)
-    findings = [f for t in traces for f in trace_findings(t)] + comparison_findings(comparison)
-    failed = failing(findings, options.fail_on)
+    return traces, compare(traces, rtol=options.rtol, inputs_differ=options.rank_seed)
+
+
+def _rank_lines(options: _Options, console: Any, traces: list[Any], comparison: dict[str, Any]) -> list[Any]:
+    """The selected ranks' trees (divergent nodes marked) and the comparison, each line prefixed."""
+    from dataclasses import replace
+
+    from .render.comparison import divergence_marks, prefixed_lines, render_comparison
+    from .render.tree import render_trace
+
+    lines = []
+    if options.show_tree:
+        tree_options = replace(options.tree, marks=divergence_marks(comparison))
+        for rank in _selected_ranks(options.ranks, len(traces)):
+            lines += prefixed_lines(console, render_trace(traces[rank], tree_options), f"[rank{rank}] ")
+    return lines + prefixed_lines(console, render_comparison(comparison), "[rank0] ")
+
+
+def _compare_and_show(options: _Options, documents: list[dict[str, Any]]) -> int:
+    """Rank 0's part of ``run``: compare the gathered traces, print the trees and the verdict, write the merged JSON."""
+    from rich.console import Console
+
+    from .checks import comparison_findings, merge_rank_findings, trace_findings
+    from .render.json import dumps_merged
+
+    traces, comparison = _compared(options, documents)
+    findings = merge_rank_findings([trace_findings(t, options.policy.thresholds) for t in traces])
+    failed = [f for f in findings + comparison_findings(comparison) if options.policy.fails(f)]
     if options.json_path is not None:
         _write_json(options.json_path, dumps_merged(traces, comparison))
         if options.json_path == "-":
             return _verdict(failed)
     console = Console(highlight=False)
-    shown = _selected_ranks(options.ranks, len(traces))
-    tree_options = replace(options.tree, marks=divergence_marks(comparison))
-    lines = []
-    for rank in shown:
-        lines += prefixed_lines(console, render_trace(traces[rank], tree_options), f"[rank{rank}] ")
-    lines += prefixed_lines(console, render_comparison(comparison), "[rank0] ")
-    for line in lines:
+    for line in _rank_lines(options, console, traces, comparison):
         console.print(line, soft_wrap=True)
     _print_findings(console, failed, "[rank0] ")
     if options.json_path is not None:
         _stderr_console().print(f"[rank0] merged trace of {len(traces)} ranks written to {options.json_path}", style="dim", markup=False)
     return _verdict(failed)
+
+
+def _check_ranks(options: _Options, target: str, documents: list[dict[str, Any]], console: Any) -> Any:
+    """Rank 0's part of ``check`` for one target: compare, check, print (prefixed); return the report."""
+    from .checks import check_traces
+    from .render.comparison import prefixed_lines
+    from .render.findings import render_report
+
+    traces, comparison = _compared(options, documents)
+    report = check_traces(traces, options.policy, comparison, target=target)
+    lines = _rank_lines(options, console, traces, comparison)
+    for line in lines + prefixed_lines(console, render_report(report), "[rank0] "):
+        console.print(line, soft_wrap=True)
+    return report
 
 
 def _selected_ranks(text: str, world_size: int) -> list[int]:

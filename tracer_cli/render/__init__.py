@@ -1,1 +1,2 @@
-"""Renderers: pure functions of a Trace (terminal tree, JSON)."""
+"""Renderers: pure functions of a Trace (terminal tree, JSON) or of check reports (findings table, JUnit XML,
+GitHub annotations)."""

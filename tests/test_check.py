@@ -1,0 +1,491 @@
+"""``gradtrace check``: findings on sample models, exit codes, thresholds, JUnit XML, GitHub annotations.
+
+Set up through the sample files, act through the CLI (CliRunner: stdout, stderr and exit code
+separately), and compare with independent computations: a plain ``loss.backward()`` and
+``retain_grad()`` on the tensors around the node a finding names, never gradtrace's own output.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tracer_cli.checks import (
+    CheckPolicy,
+    Finding,
+    Thresholds,
+    check_traces,
+    merge_rank_findings,
+    norm_findings,
+    parse_fail_on,
+)
+from tracer_cli.cli import app
+from tracer_cli.render.github import annotations, escape_data
+from tracer_cli.tracing import trace
+
+from .reference import load_sample
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "sample_models"
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def plain_environment(monkeypatch, tmp_path):
+    """No GitHub annotations unless a test asks, and no pyproject.toml of the machine's folders in the way."""
+    monkeypatch.delenv("GITHUB_ACTIONS", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def check(runner: CliRunner, *args: str):
+    return runner.invoke(app, ["check", *args], catch_exceptions=False)
+
+
+def sample(name: str) -> str:
+    return str(SAMPLES / f"{name}.py")
+
+
+def rows(stdout: str, status: str) -> list[str]:
+    """The findings-table rows with this status (FAIL or warn)."""
+    return [line for line in stdout.splitlines() if line.startswith(f"{status} ")]
+
+
+COLUMNS = ("check", "node", "module", "parameter", "value", "finding")
+
+
+def table(stdout: str, status: str | None = None) -> list[dict[str, str]]:
+    """The findings-table rows as {"status", "check", "node", ...}, cut at the header's column starts."""
+    found = []
+    starts: list[int] = []
+    for line in stdout.splitlines():
+        if re.match(r"^\s+check\s+node\s+module\s+parameter\s+value\s+finding", line):
+            starts = [line.index(f" {name}") + 1 for name in COLUMNS]
+        elif re.match(r"^(FAIL|warn) ", line) and starts:
+            cells = {"status": line[:4]}
+            for name, start, end in zip(COLUMNS, starts, starts[1:] + [len(line)], strict=True):
+                cells[name] = line[start:end].strip()
+            if status is None or cells["status"] == status:
+                found.append(cells)
+    return found
+
+
+def params(stdout: str, status: str) -> set[str]:
+    return {row["parameter"] for row in table(stdout, status)}
+
+
+def seeded(name: str):
+    """A sample's model and inputs, seeded as gradtrace seeds them (0 before the model, 0 before the inputs)."""
+    module = load_sample(name)
+    torch.manual_seed(0)
+    model = module.build_model()
+    torch.manual_seed(0)
+    return module, model, module.example_inputs()
+
+
+def parse_junit(path: Path) -> ET.Element:
+    root = ET.parse(path).getroot()
+    assert root.tag == "testsuites"
+    return root
+
+
+def cases(root: ET.Element) -> dict[tuple[str, str], ET.Element]:
+    return {(case.get("classname"), case.get("name")): case for case in root.iter("testcase")}
+
+
+# Each finding kind on a sample model --------------------------------------------------------------
+
+
+def test_nan_only_in_backward_fails_naming_sqrt(runner):
+    result = check(runner, sample("nan_where"))
+    assert result.exit_code == 1, result.output
+    failing = rows(result.stdout, "FAIL")
+    assert len(failing) == 1, result.stdout  # one origin, not one line per poisoned node
+    assert re.search(r"nonfinite\s+#\d+ SqrtBackward0\s+<root>\s+–\s+nan", failing[0]), failing[0]
+    assert "proj.weight" in failing[0] and "proj.bias" in failing[0]
+    assert result.stdout.splitlines()[-1].startswith("FAIL: 1 failing finding (nonfinite)")
+
+    # independently: the loss is finite, sqrt's output gradient is finite, its input gradient is NaN
+    _, model, x = seeded("nan_where")
+    h = model.proj(x)
+    h.retain_grad()
+    root = torch.sqrt(h)
+    root.retain_grad()
+    loss = model.head(torch.where(h > 0, root, 0.0)).mean()
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert torch.isfinite(root.grad).all() and torch.isnan(h.grad).any()
+    assert torch.isnan(model.proj.weight.grad).any()
+
+
+def test_infinity_masked_by_relu_fails_naming_the_node_and_the_mask(runner):
+    result = check(runner, sample("masked_inf"))
+    assert result.exit_code == 1, result.output
+    failing = rows(result.stdout, "FAIL")
+    assert len(failing) == 1, result.stdout
+    assert re.search(r"nonfinite\s+#\d+ SqrtBackward0\s+act\s+–\s+inf", failing[0]), failing[0]
+    assert re.search(r"masked by #\d+ ReluBackward0", failing[0]), failing[0]
+
+    # independently: every parameter gradient is finite, yet sqrt sends an infinity into the relu
+    _, model, x = seeded("masked_inf")
+    hidden = torch.relu(model.proj(x))
+    hidden.retain_grad()
+    model.head(torch.sqrt(hidden)).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert torch.isinf(hidden.grad).any()
+
+
+def test_forgotten_layer_fails_naming_its_parameters(runner):
+    result = check(runner, sample("forgotten_layer"))
+    assert result.exit_code == 1, result.output
+    flagged = params(result.stdout, "FAIL")
+    assert {row["check"] for row in table(result.stdout)} == {"nograd"}
+
+    _, model, x = seeded("forgotten_layer")
+    model(x).sum().backward()
+    assert flagged == {name for name, p in model.named_parameters() if p.grad is None} == {"norm.weight", "norm.bias"}
+
+
+def test_dead_parameters_warn_by_default_and_fail_when_asked(runner):
+    _, model, x = seeded("zero_gate")
+    model(x).sum().backward()
+    dead = {name for name, p in model.named_parameters() if p.grad is not None and not p.grad.any()}
+    assert dead == {"block.0.weight", "block.0.bias", "block.2.weight", "block.2.bias"}
+
+    result = check(runner, sample("zero_gate"))
+    assert result.exit_code == 0, result.output
+    assert rows(result.stdout, "FAIL") == []
+    assert params(result.stdout, "warn") == dead
+    assert result.stdout.splitlines()[-1] == "OK: 1 target healthy, 4 warnings"
+
+    result = check(runner, sample("zero_gate"), "--fail-on", "zero")
+    assert result.exit_code == 1
+    assert params(result.stdout, "FAIL") == dead
+
+
+def test_warn_on_demotes_a_default_failure(runner):
+    result = check(runner, sample("forgotten_layer"), "--warn-on", "nograd")
+    assert result.exit_code == 0, result.output
+    assert len(rows(result.stdout, "warn")) == 2
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "custom_function", "checkpointed"])
+def test_healthy_models_pass(runner, name):
+    """Healthy samples, among them a ResNet-style CNN (residual blocks, BatchNorm) and a GPT-style
+    transformer (causal attention, tied LM head)."""
+    result = check(runner, sample(name))
+    assert result.exit_code == 0, result.output
+    assert "no findings" in result.stdout
+    assert result.stdout.splitlines()[-1] == "OK: 1 target healthy"
+    assert result.stderr == ""
+
+
+def test_readme_example_is_the_real_output(runner, monkeypatch):
+    readme = (ROOT / "README.md").read_text()
+    command = (
+        "$ gradtrace check sample_models/masked_inf.py sample_models/forgotten_layer.py sample_models/zero_gate.py"
+    )
+    shown = readme.split(command + "\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(ROOT)
+    result = check(runner, *command.split()[3:])
+    assert result.exit_code == 1
+    assert [line.rstrip() for line in result.stdout.splitlines()] == shown.splitlines()
+
+
+def test_tree_only_with_tree_flag(runner):
+    plain = check(runner, sample("mlp"))
+    with_tree = check(runner, sample("mlp"), "--tree", "--view", "graph")
+    node_line = re.compile(r"[├└]── #\d+ ")
+    assert not node_line.search(plain.stdout)
+    assert len(node_line.findall(with_tree.stdout)) == 16
+    assert with_tree.stdout.splitlines()[-1] == plain.stdout.splitlines()[-1]
+
+
+# Thresholds ---------------------------------------------------------------------------------------
+
+
+def plain_mlp_norms() -> dict[str, float]:
+    """Each parameter's gradient norm from a plain backward of the mlp sample (output reduced by sum)."""
+    _, model, x = seeded("mlp")
+    model(x).sum().backward()
+    return {name: float(p.grad.norm()) for name, p in model.named_parameters()}
+
+
+def test_max_grad_norm_flags_exactly_the_parameters_above_it(runner):
+    norms = plain_mlp_norms()
+    total = math.sqrt(sum(v * v for v in norms.values()))
+    ordered = sorted(norms.values())
+    limit = (ordered[2] + ordered[3]) / 2  # between two parameters' norms: three below, the rest above
+    result = check(runner, sample("mlp"), "--max-grad-norm", f"{limit:.6g}")
+    assert result.exit_code == 1, result.output
+    failing = table(result.stdout, "FAIL")
+    assert {row["parameter"] for row in failing} == {name for name, v in norms.items() if v > limit} | {
+        "(all parameters)"
+    }
+    assert all(row["check"] == "norm" for row in failing)
+    assert any(row["finding"].startswith("total ‖grad‖") for row in failing) and total > limit
+    for row in failing:  # the value column shows each norm (3 significant digits)
+        expected = total if row["parameter"] == "(all parameters)" else norms[row["parameter"]]
+        assert float(row["value"]) == pytest.approx(expected, rel=5e-3)
+    # a limit above every norm (and the total) passes
+    result = check(runner, sample("mlp"), "--max-grad-norm", f"{total * 1.01:.6g}")
+    assert result.exit_code == 0, result.output
+
+
+def test_min_grad_norm_flags_the_parameters_below_it(runner):
+    norms = plain_mlp_norms()
+    smallest = min(norms, key=norms.get)
+    limit = sorted(norms.values())[1] * 0.999  # only the smallest is below
+    result = check(runner, sample("mlp"), "--min-grad-norm", f"{limit:.6g}")
+    assert result.exit_code == 1, result.output
+    assert [row["parameter"] for row in table(result.stdout, "FAIL")] == [smallest]
+    assert "below --min-grad-norm" in result.stdout
+
+
+def test_norm_findings_values_match_plain_backward():
+    norms = plain_mlp_norms()
+    module, model, x = seeded("mlp")
+    result = trace(model, (x,))
+    findings = norm_findings(result, Thresholds(max_grad_norm=0.0))
+    by_param = {f.param: f.value for f in findings}
+    for name, value in norms.items():
+        assert by_param[name] == pytest.approx(value, rel=1e-5)
+    total = math.sqrt(sum(v * v for v in norms.values()))
+    assert by_param["(all parameters)"] == pytest.approx(total, rel=1e-5)
+    weight = next(f for f in findings if f.param == "fc1.weight")
+    assert weight.name.endswith("AccumulateGrad") and weight.module == "fc1"
+    assert result.nodes[weight.node].param == "fc1.weight"
+
+
+def test_threshold_makes_norm_fail_unless_demoted(runner):
+    result = check(runner, sample("mlp"), "--max-grad-norm", "0.001", "--warn-on", "norm")
+    assert result.exit_code == 0, result.output
+    assert rows(result.stdout, "warn") and not rows(result.stdout, "FAIL")
+
+
+def test_run_takes_thresholds_too(runner):
+    result = runner.invoke(app, ["run", sample("mlp"), "--max-grad-norm", "0.001"], catch_exceptions=False)
+    assert result.exit_code == 1
+    assert "FAIL norm: parameter" in result.stdout or "FAIL norm: #" in result.stdout
+    result = runner.invoke(app, ["run", sample("zero_gate")], catch_exceptions=False)
+    assert result.exit_code == 0  # run fails only on what was asked for
+    result = runner.invoke(app, ["run", sample("zero_gate"), "--fail-on", "zero"], catch_exceptions=False)
+    assert result.exit_code == 1
+
+
+# Exit codes and several targets -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--fail-on", "gradcheck"], "unknown --fail-on check 'gradcheck'"),
+        (["--warn-on", "nan"], "unknown --warn-on check 'nan'"),
+        (["--min-grad-norm", "2", "--max-grad-norm", "1"], "above --max-grad-norm"),
+        (["--filter", "("], "--filter"),
+    ],
+)
+def test_usage_errors_exit_2(runner, args, fragment):
+    result = check(runner, sample("mlp"), *args)
+    assert result.exit_code == 2
+    assert fragment in result.stderr
+    assert result.stdout == ""
+
+
+def test_no_targets_is_a_usage_error(runner):
+    result = check(runner)
+    assert result.exit_code == 2
+    assert "no targets" in result.stderr and "[tool.gradtrace]" in result.stderr
+
+
+def test_several_targets_each_checked_and_an_error_wins(runner, tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text(
+        "import torch\n\ndef model(x):\n    raise ValueError('broken model')\n\n"
+        "def example_inputs():\n    return torch.ones(2)\n"
+    )
+    junit = tmp_path / "report.xml"
+    result = check(runner, sample("mlp"), str(broken), sample("nan_where"), "--junit-xml", str(junit))
+    assert result.exit_code == 3  # the model error, although nan_where also fails
+    assert "ValueError: broken model" in result.stderr
+    out = result.stdout
+    assert "mlp.py · 16 nodes" in out and "SqrtBackward0" in out  # the targets after the broken one still ran
+    assert out.splitlines()[-1].startswith("ERROR: 1 of 3 targets could not be checked")
+    root = parse_junit(junit)
+    assert root.get("errors") == "1" and root.get("failures") == "1"
+    error = cases(root)[(str(broken), "load")].find("error")
+    assert error is not None and "broken model" in error.get("message")
+
+
+def test_several_healthy_targets(runner):
+    result = check(runner, sample("mlp"), sample("cnn"), sample("transformer"))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == "OK: 3 targets healthy"
+    assert result.stdout.count("no findings") == 3
+
+
+def test_missing_target_exits_2(runner):
+    result = check(runner, "does_not_exist.py")
+    assert result.exit_code == 2
+    assert "not found" in result.stderr
+
+
+# JUnit XML ----------------------------------------------------------------------------------------
+
+
+def test_junit_xml_mirrors_the_verdict(runner, tmp_path):
+    junit = tmp_path / "out" / "gradtrace.xml"
+    junit.parent.mkdir()
+    targets = [sample("masked_inf"), sample("zero_gate"), sample("mlp")]
+    result = check(runner, *targets, "--max-grad-norm", "1e6", "--junit-xml", str(junit))
+    assert result.exit_code == 1
+    assert f"JUnit XML written to {junit}" in result.stderr
+    root = parse_junit(junit)
+    suites = root.findall("testsuite")
+    assert [s.get("name") for s in suites] == targets
+    found = cases(root)
+    checks = ("nonfinite", "nograd", "zero", "norm")
+    assert set(found) == {(t, c) for t in targets for c in checks}  # one case per check and target
+    assert int(root.get("tests")) == len(found) == 12
+    assert root.get("failures") == "1" and root.get("errors") == "0"
+    for suite in suites:
+        assert int(suite.get("tests")) == len(suite.findall("testcase"))
+        assert int(suite.get("failures")) == len(suite.findall("testcase/failure"))
+    failure = found[(sample("masked_inf"), "nonfinite")].find("failure")
+    assert failure.get("type") == "nonfinite"
+    assert "SqrtBackward0 in act" in failure.get("message") and "SqrtBackward0 in act" in failure.text
+    # warnings do not fail a case, they are written to its output
+    zero = found[(sample("zero_gate"), "zero")]
+    assert zero.find("failure") is None
+    assert zero.find("system-out").text.count("warning: ") == 4
+    assert all(found[(sample("mlp"), c)].find("failure") is None for c in checks)
+
+
+def test_junit_xml_of_a_healthy_run_has_no_failures(runner, tmp_path):
+    junit = tmp_path / "ok.xml"
+    result = check(runner, sample("cnn"), "--junit-xml", str(junit))
+    assert result.exit_code == 0
+    root = parse_junit(junit)
+    assert root.get("failures") == "0" and root.get("errors") == "0"
+    assert {c.get("name") for c in root.iter("testcase")} == {"nonfinite", "nograd", "zero"}
+    assert not list(root.iter("failure"))
+
+
+def test_junit_xml_unwritable_is_a_usage_error(runner, tmp_path):
+    result = check(runner, sample("mlp"), "--junit-xml", str(tmp_path / "missing" / "x.xml"))
+    assert result.exit_code == 2
+    assert "cannot write" in result.stderr
+
+
+# GitHub annotations -------------------------------------------------------------------------------
+
+
+def test_github_annotations_only_in_github_actions(runner, monkeypatch):
+    result = check(runner, sample("forgotten_layer"), sample("zero_gate"))
+    assert "::error" not in result.stdout and "::warning" not in result.stdout
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    result = check(runner, sample("forgotten_layer"), sample("zero_gate"))
+    assert result.exit_code == 1
+    errors = [line for line in result.stdout.splitlines() if line.startswith("::error ::")]
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("::warning ::")]
+    assert len(errors) == 2 and len(warnings) == 4
+    assert any("forgotten_layer.py" in line and "norm.weight" in line for line in errors)
+    assert all("zero_gate.py" in line and "zero" in line for line in warnings)
+
+
+def test_annotation_escaping():
+    assert escape_data("100% done\r\nnext") == "100%25 done%0D%0Anext"
+    report = check_traces(
+        [trace(lambda x: (x * float("nan")).sum(), (torch.ones(2),))],
+        CheckPolicy.build(["nonfinite"]),
+        target="line\nbreak%",
+    )
+    lines = annotations([report])
+    assert len(lines) == len(report.failures) == 2  # the NaN loss, and where the NaN gradient starts
+    assert all(line.startswith("::error ::gradtrace check line%0Abreak%25: nonfinite: ") for line in lines)
+    assert not any("\n" in line for line in lines)
+
+
+# Library pieces -----------------------------------------------------------------------------------
+
+
+def test_parse_fail_on_lists_only_what_works():
+    assert parse_fail_on("nonfinite, zero,norm") == ("nonfinite", "zero", "norm")
+    assert parse_fail_on(["divergence"]) == ("divergence",)
+    with pytest.raises(ValueError, match="known: nonfinite, nograd, zero, norm, divergence$"):
+        parse_fail_on("gradcheck")
+
+
+def test_policy_defaults_thresholds_and_demotion():
+    assert CheckPolicy.build(["nonfinite", "nograd"]).failing == {"nonfinite", "nograd"}
+    assert CheckPolicy.build([], thresholds=Thresholds(max_grad_norm=1.0)).failing == {"norm"}
+    policy = CheckPolicy.build(["nonfinite", "nograd"], fail_on=["zero"], warn_on=["nograd"])
+    assert policy.failing == {"nonfinite", "zero"}
+
+
+def test_rank_findings_are_merged_and_say_which_ranks():
+    common = Finding("nograd", "no gradient", param="a")
+    only_one = Finding("zero", "zero", param="b")
+    merged = merge_rank_findings([[common], [common, only_one]])
+    assert merged == [common, Finding("zero", "zero", param="b", ranks=(1,))]
+    assert merged[1].message.endswith("(rank 1 only)")
+
+
+def test_nonfinite_loss_is_a_finding():
+    result = trace(lambda x: (x * float("inf")).sum() * 0, (torch.ones(3),))
+    report = check_traces([result], CheckPolicy.build(["nonfinite"]))
+    assert any("the loss is nan" in f.detail for f in report.failures)
+
+
+def test_check_help_does_not_import_torch():
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from tracer_cli.cli import app\n"
+        "r = CliRunner().invoke(app, ['check', '--help'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+# Under torchrun -----------------------------------------------------------------------------------
+
+
+def test_check_across_ranks_names_the_divergence(tmp_path):
+    """``gradtrace check --nproc-per-node 2``: the divergence warns by default, fails with --fail-on."""
+    junit = tmp_path / "ranks.xml"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GITHUB_ACTIONS")}
+    command = [
+        sys.executable,
+        "-m",
+        "tracer_cli",
+        "check",
+        "--nproc-per-node",
+        "2",
+        sample("dist_forward"),
+        "--fail-on",
+        "divergence",
+        "--junit-xml",
+        str(junit),
+    ]
+    job = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert job.returncode == 1, job.stdout + job.stderr
+    lines = [line for line in job.stdout.splitlines() if line.strip()]
+    assert all(line.startswith("[rank0] ") for line in lines), job.stdout
+    assert any(re.search(r"FAIL\s+divergence\s+#\d+ MulBackward0\s+block2", line) for line in lines), job.stdout
+    divergence = cases(parse_junit(junit))[(sample("dist_forward"), "divergence")]
+    assert "MulBackward0 in block2" in divergence.find("failure").text

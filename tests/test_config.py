@@ -1,0 +1,232 @@
+"""``[tool.gradtrace]`` in the nearest pyproject.toml: defaults for ``run`` and ``check``, overridden by options."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tracer_cli.cli import app
+from tracer_cli.config import KEYS, find_pyproject, load_config
+from tracer_cli.errors import UsageError
+
+from .reference import load_sample
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "sample_models"
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch) -> Path:
+    """An empty project folder, the working folder, with no GitHub annotations."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    monkeypatch.delenv("GITHUB_ACTIONS", raising=False)
+    return folder
+
+
+def write_config(folder: Path, body: str) -> Path:
+    path = folder / "pyproject.toml"
+    path.write_text("[project]\nname = 'demo'\n\n[tool.gradtrace]\n" + textwrap.dedent(body))
+    return path
+
+
+def invoke(runner: CliRunner, *args: str):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+def sample(name: str) -> str:
+    return str(SAMPLES / f"{name}.py")
+
+
+def mlp_norms() -> dict[str, float]:
+    """The mlp sample's parameter gradient norms from a plain backward, seeded as gradtrace seeds it."""
+    module = load_sample("mlp")
+    torch.manual_seed(0)
+    model = module.build_model()
+    torch.manual_seed(0)
+    model(module.example_inputs()).sum().backward()
+    return {name: float(p.grad.norm()) for name, p in model.named_parameters()}
+
+
+# Finding and reading the file ---------------------------------------------------------------------
+
+
+def test_nearest_pyproject_is_searched_upward(project):
+    nested = project / "src" / "models"
+    nested.mkdir(parents=True)
+    path = write_config(project, "seed = 3\n")
+    assert find_pyproject(nested) == path.resolve()
+    assert load_config(nested).values == {"seed": 3}
+
+
+def test_the_nearest_file_wins_even_without_the_table(project):
+    write_config(project, "seed = 3\n")
+    inner = project / "sub"
+    inner.mkdir()
+    (inner / "pyproject.toml").write_text("[project]\nname = 'inner'\n")
+    config = load_config(inner)
+    assert config.path is None and config.values == {}
+
+
+def test_values_are_converted(project):
+    write_config(
+        project,
+        """
+        input = "float32[2,16]"
+        fail-on = "zero, norm"
+        warn-on = ["nograd"]
+        max-grad-norm = 10
+        eval = true
+        loss = "mean"
+        inputs = "data/inputs.pt"
+        """,
+    )
+    values = load_config(project).values
+    assert values["input"] == ["float32[2,16]"]
+    assert values["fail-on"] == "zero,norm" and values["warn-on"] == "nograd"
+    assert values["max-grad-norm"] == 10.0 and isinstance(values["max-grad-norm"], float)
+    assert values["eval"] is True and values["loss"] == "mean"
+    assert Path(values["inputs"]) == Path("data/inputs.pt")  # relative to the working folder, here the same
+
+
+@pytest.mark.parametrize(
+    "body, fragments",
+    [
+        ("max_grad_norm = 1.0\n", ["unknown key 'max_grad_norm'", "did you mean 'max-grad-norm'"]),
+        ("colour = 'red'\n", ["unknown key 'colour'", "known keys: targets"]),
+        ("seed = 'zero'\n", ["seed must be an integer", "'zero'"]),
+        ("max-grad-norm = -1\n", ["max-grad-norm = -1", "at least 0"]),
+        ("fail-on = ['nonfinite', 'gradcheck']\n", ["fail-on check 'gradcheck'"]),
+        ("eval = 'yes'\n", ["eval must be true or false"]),
+        ("input = [1, 2]\n", ["input must be a string or a list of strings"]),
+        ("seed = \n", ["not valid TOML"]),
+    ],
+)
+def test_bad_config_is_a_usage_error_naming_the_key(runner, project, body, fragments):
+    path = write_config(project, body)
+    with pytest.raises(UsageError):
+        load_config(project)
+    for command in (["check", sample("mlp")], ["run", sample("mlp")]):
+        result = invoke(runner, *command)
+        assert result.exit_code == 2, result.output
+        assert result.stdout == ""
+        assert str(path.resolve()) in result.stderr or "pyproject.toml" in result.stderr
+        for fragment in fragments:
+            assert fragment in result.stderr, result.stderr
+
+
+def test_every_key_is_an_option_of_run_or_check():
+    import typer.main
+
+    command = typer.main.get_command(app)
+    options = {opt for name in ("run", "check") for p in command.commands[name].params for opt in p.opts}
+    for key in KEYS:
+        assert key == "targets" or f"--{key}" in options, key
+
+
+# Thresholds and checks from the file --------------------------------------------------------------
+
+
+def test_threshold_from_pyproject_applies_and_the_flag_overrides_it(runner, project):
+    norms = mlp_norms()
+    largest = max(norms, key=norms.get)
+    total = math.sqrt(sum(v * v for v in norms.values()))
+    limit = sorted(norms.values())[-2] * 1.001  # only the largest parameter (and the total) above it
+    write_config(project, f"max-grad-norm = {limit!r}\n")
+    result = invoke(runner, "check", sample("mlp"))
+    assert result.exit_code == 1, result.output
+    failing = [line for line in result.stdout.splitlines() if line.startswith("FAIL ")]
+    assert len(failing) == 2
+    assert any(f" {largest} " in line for line in failing) and total > limit
+    assert any("(all parameters)" in line for line in failing)
+    result = invoke(runner, "check", sample("mlp"), "--max-grad-norm", f"{total * 2:g}")
+    assert result.exit_code == 0, result.output
+
+
+def test_min_threshold_from_pyproject(runner, project):
+    norms = mlp_norms()
+    write_config(project, f"min-grad-norm = {max(norms.values()) * 2!r}\n")
+    result = invoke(runner, "check", sample("mlp"))
+    assert result.exit_code == 1
+    assert sum(line.startswith("FAIL ") for line in result.stdout.splitlines()) == len(norms) + 1
+
+
+def test_fail_on_and_warn_on_from_pyproject(runner, project):
+    write_config(project, 'fail-on = ["zero"]\n')
+    assert invoke(runner, "check", sample("zero_gate")).exit_code == 1
+    assert invoke(runner, "check", sample("zero_gate"), "--fail-on", "norm").exit_code == 0  # the option replaces it
+    write_config(project, 'warn-on = "nograd"\n')
+    assert invoke(runner, "check", sample("forgotten_layer")).exit_code == 0
+
+
+def test_thresholds_from_pyproject_apply_to_run(runner, project):
+    write_config(project, "max-grad-norm = 0.001\n")
+    result = invoke(runner, "run", sample("mlp"))
+    assert result.exit_code == 1
+    assert "FAIL norm" in result.stdout
+
+
+# Inputs, seed and targets from the file -----------------------------------------------------------
+
+
+def test_inputs_and_seed_from_pyproject_and_overrides(runner, project):
+    write_config(project, 'input = ["float32[5,16]"]\nseed = 7\n')
+    document = json.loads(invoke(runner, "run", sample("mlp"), "--json", "-").stdout)
+    assert document["meta"]["seed"] == 7
+    assert document["meta"]["inputs"][0]["shape"] == [5, 16]
+    result = invoke(runner, "run", sample("mlp"), "--json", "-", "-i", "float32[3,16]", "--seed", "1")
+    document = json.loads(result.stdout)
+    assert document["meta"]["seed"] == 1
+    assert document["meta"]["inputs"][0]["shape"] == [3, 16]
+
+
+def test_inputs_on_the_command_line_replace_config_specs(runner, project):
+    write_config(project, 'input = ["float32[5,16]"]\n')
+    saved = project / "inputs.pt"
+    torch.save((torch.ones(2, 16),), saved)
+    result = invoke(runner, "run", sample("mlp"), "--json", "-", "--inputs", str(saved))
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["meta"]["inputs"][0]["shape"] == [2, 16]
+
+
+def test_config_inputs_file_is_relative_to_the_pyproject(runner, project, monkeypatch):
+    (project / "data").mkdir()
+    (project / "data" / "inputs.json").write_text('["float32[4,16]"]')
+    write_config(project, 'inputs = "data/inputs.json"\n')
+    nested = project / "deep" / "er"
+    nested.mkdir(parents=True)
+    monkeypatch.chdir(nested)
+    result = invoke(runner, "run", sample("mlp"), "--json", "-")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["meta"]["inputs"][0]["shape"] == [4, 16]
+
+
+def test_targets_from_pyproject(runner, project, monkeypatch):
+    models = project / "models"
+    models.mkdir()
+    for name in ("mlp", "forgotten_layer"):
+        (models / f"{name}.py").write_text((SAMPLES / f"{name}.py").read_text())
+    write_config(project, 'targets = ["models/mlp.py", "models/forgotten_layer.py:build_model"]\n')
+    sub = project / "sub"
+    sub.mkdir()
+    monkeypatch.chdir(sub)  # targets are relative to the pyproject.toml, not to the working folder
+    result = invoke(runner, "check")
+    assert result.exit_code == 1, result.output
+    assert f"{Path('..') / 'models' / 'mlp.py'} · 16 nodes" in result.stdout
+    assert "norm.weight" in result.stdout
+    # targets on the command line replace the configured ones
+    result = invoke(runner, "check", sample("mlp"))
+    assert result.exit_code == 0, result.output
+    assert "forgotten_layer" not in result.stdout

@@ -1,0 +1,96 @@
+"""The terminal view of ``gradtrace check``: per target a line and a findings table, then one verdict line.
+
+Pure functions of :class:`~tracer_cli.checks.TargetReport` that return Rich renderables.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ..checks import ALL_PARAMETERS, Finding, TargetReport
+from .tree import format_norm, short_name
+
+_FAIL = "bold red"
+_WARN = "yellow"
+
+
+def render_report(report: TargetReport) -> RenderableType:
+    """The target's line (what was traced, or why it could not be) and its findings table."""
+    header = Text(report.target, style="bold")
+    if report.error is not None:
+        header.append(f" · could not be checked: {report.error}", style=_FAIL)
+        return header
+    header.append(f" · {report.summary}", style="dim")
+    if not report.findings:
+        return Group(header, Text(f"  no findings ({', '.join(report.checks)} checked)", style="green"))
+    return Group(header, findings_table(report))
+
+
+def findings_table(report: TargetReport) -> Table:
+    """One row per finding, failing ones first: status, check, node, module, parameter, value, what."""
+    table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, header_style="bold")
+    for column in ("", "check", "node", "module", "parameter", "value", "finding"):
+        table.add_column(column, no_wrap=column != "finding", overflow="fold")
+    for finding in report.failures + report.warnings:
+        failed = report.policy.fails(finding)
+        table.add_row(
+            Text("FAIL" if failed else "warn", style=_FAIL if failed else _WARN),
+            finding.kind,
+            _node(finding),
+            _module(finding),
+            _param(finding),
+            format_value(finding.value),
+            finding.detail + (f" (rank {', '.join(map(str, finding.ranks))} only)" if finding.ranks else ""),
+        )
+    return table
+
+
+def verdict(reports: Sequence[TargetReport]) -> Text:
+    """One line: healthy or not, how many targets, failing findings by check, warnings."""
+    errored = [r for r in reports if r.error is not None]
+    failed = [r for r in reports if r.error is None and r.failures]
+    failures = [f for r in reports for f in r.failures]
+    warnings = sum(len(r.warnings) for r in reports)
+    targets = f"{len(reports)} target{'s' * (len(reports) != 1)}"
+    tail = f", {warnings} warning{'s' * (warnings != 1)}" if warnings else ""
+    if errored:
+        names = ", ".join(r.target for r in errored)
+        text = Text(f"ERROR: {len(errored)} of {targets} could not be checked ({names})", style=_FAIL)
+        if failed:
+            text.append(f"; {len(failed)} unhealthy", style=_FAIL)
+        return text + Text(tail, style=_WARN)
+    if failed:
+        kinds = sorted({f.kind for f in failures})
+        names = ", ".join(r.target for r in failed)
+        count = f"{len(failures)} failing finding{'s' * (len(failures) != 1)}"
+        where = names if len(reports) == 1 else f"{len(failed)} of {targets} ({names})"
+        return Text(f"FAIL: {count} ({', '.join(kinds)}) in {where}", style=_FAIL) + Text(tail, style=_WARN)
+    return Text(f"OK: {targets} healthy", style="bold green") + Text(tail, style=_WARN)
+
+
+def format_value(value: float | str | None) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, str):
+        return value
+    return "0" if value == 0 else format_norm(value)
+
+
+def _node(finding: Finding) -> str:
+    return "–" if finding.node is None else f"#{finding.node} {short_name(finding.name or '')}"
+
+
+def _module(finding: Finding) -> str:
+    if finding.param == ALL_PARAMETERS:
+        return "–"
+    if finding.module is None:
+        return "(outside)" if finding.node is not None else "–"
+    return finding.module or "<root>"
+
+
+def _param(finding: Finding) -> str:
+    return finding.param if finding.param is not None else "–"

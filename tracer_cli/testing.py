@@ -1,0 +1,92 @@
+"""Gradient health from a test suite: ``assert_gradients_healthy(model, args)`` in one line.
+
+    from tracer_cli.testing import assert_gradients_healthy
+
+    def test_gradients():
+        assert_gradients_healthy(build_model(), (torch.randn(8, 16),), max_grad_norm=100.0)
+
+The same checks as ``gradtrace check``; a failure raises AssertionError whose message is the findings
+table, naming the node, module and parameter (e.g. ``SqrtBackward0`` in module ``act``).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Callable, Iterable
+
+from .checks import CHECK_DEFAULT_FAILING, CheckPolicy, TargetReport, Thresholds, check_traces, parse_fail_on
+from .records import Trace
+
+__all__ = ["assert_gradients_healthy", "format_report"]
+
+_MESSAGE_WIDTH = 160
+
+
+def assert_gradients_healthy(
+    model: Callable[..., Any],
+    args: Any = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    loss_fn: Callable[[Any], Any] | None = None,
+    max_grad_norm: float | None = None,
+    min_grad_norm: float | None = None,
+    fail_on: str | Iterable[str] = (),
+    warn_on: str | Iterable[str] = (),
+    loss_reduction: str = "sum",
+    input_grad: bool = True,
+    train: bool | None = None,
+) -> Trace:
+    """Trace ``model(*args, **kwargs)`` and its backward; raise AssertionError on unhealthy gradients.
+
+    Args:
+        model: an ``nn.Module`` or any callable.
+        args: positional inputs (a single tensor is one argument).
+        kwargs: keyword inputs.
+        loss_fn: ``loss_fn(output)`` returning the scalar to differentiate; without it the output is
+            reduced as ``gradtrace run`` does (a scalar as is, ``.loss``, else the sum of every output).
+        max_grad_norm: fail when a parameter's gradient norm, or the total norm, is above it.
+        min_grad_norm: fail when a parameter's gradient norm, or the total norm, is below it.
+        fail_on: checks that fail besides nonfinite and nograd (``"zero"``, ``"norm"``; a comma string or names).
+        warn_on: checks that only warn (e.g. ``"nograd"`` for a parameter unused on purpose).
+        loss_reduction, input_grad, train: as for :func:`tracer_cli.trace`.
+
+    Returns:
+        The :class:`~tracer_cli.records.Trace`, for further assertions.
+
+    Raises:
+        AssertionError: a failing finding; the message is the findings table.
+        ValueError: an unknown check name, or ``min_grad_norm`` above ``max_grad_norm``.
+        tracer_cli.errors.GradtraceError: the model (or its loss) raised, or cannot be traced.
+    """
+    __tracebackhide__ = True  # pytest shows the test's line, not this one
+    from .tracing import trace
+
+    thresholds = Thresholds(max_grad_norm, min_grad_norm)
+    if max_grad_norm is not None and min_grad_norm is not None and min_grad_norm > max_grad_norm:
+        raise ValueError(f"min_grad_norm {min_grad_norm:g} is above max_grad_norm {max_grad_norm:g}")
+    policy = CheckPolicy.build(
+        CHECK_DEFAULT_FAILING,
+        fail_on=parse_fail_on(fail_on, option="fail_on"),
+        warn_on=parse_fail_on(warn_on, option="warn_on"),
+        thresholds=thresholds,
+    )
+    result = trace(
+        model, args, kwargs, loss_fn=loss_fn, loss_reduction=loss_reduction, input_grad=input_grad, train=train
+    )
+    report = check_traces([result], policy, target=result.meta.target)
+    if report.failures:
+        raise AssertionError(format_report(report))
+    return result
+
+
+def format_report(report: TargetReport, width: int = _MESSAGE_WIDTH) -> str:
+    """The findings table and verdict of one report as plain text (no colour)."""
+    from rich.console import Console
+
+    from .render.findings import render_report, verdict
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, color_system=None, highlight=False, legacy_windows=False)
+    console.print(verdict([report]))
+    console.print(render_report(report))
+    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
