@@ -131,6 +131,58 @@ class NodeCall:
 
 
 @dataclass(frozen=True)
+class Replay:
+    """A node's backward run again from the gradients it received, inside its hook.
+
+    Attributes:
+        max_abs_diff: largest absolute difference from what the engine produced.
+        relative: ``max_abs_diff`` relative to the largest magnitude produced.
+        reproducible: whether the replay matched (relative difference ≤ 1e-6).
+        note: why the node could not be replayed, when it could not.
+    """
+
+    max_abs_diff: float | None
+    relative: float | None
+    reproducible: bool | None
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_abs_diff": encode_float(self.max_abs_diff),
+            "relative": encode_float(self.relative),
+            "reproducible": self.reproducible,
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Replay:
+        return cls(decode_float(data.get("max_abs_diff")), decode_float(data.get("relative")), data.get("reproducible"), data.get("note"))
+
+
+@dataclass(frozen=True)
+class Gradcheck:
+    """A custom Function's backward checked numerically in float64 on the inputs it was called with.
+
+    Attributes:
+        passed: the verdict of PyTorch's fast-mode ``gradcheck``; ``None`` if it could not run.
+        mismatch: relative difference between the analytical and the numerical
+            directional derivative (a random direction), the figure behind the verdict.
+        error: why it could not run, or what gradcheck reported.
+    """
+
+    passed: bool | None
+    mismatch: float | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "mismatch": encode_float(self.mismatch), "error": self.error}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Gradcheck:
+        return cls(data.get("passed"), decode_float(data.get("mismatch")), data.get("error"))
+
+
+@dataclass(frozen=True)
 class Node:
     """One autograd graph node and what its hook saw.
 
@@ -161,6 +213,8 @@ class Node:
         source: ``path:line`` of the user's code whose op created the node (the
             innermost frame outside torch and gradtrace); ``None`` for leaves,
             custom Function nodes and nodes made during backward.
+        replay: the node's backward run again in its hook (``--replay``).
+        gradcheck: a custom Function's numerical check (``--gradcheck``).
     """
 
     id: int
@@ -176,6 +230,8 @@ class Node:
     calls: tuple[NodeCall, ...] = ()
     forward: GradStat | None = None
     source: str | None = None
+    replay: Replay | None = None
+    gradcheck: Gradcheck | None = None
 
     @property
     def runs(self) -> int:
@@ -248,6 +304,10 @@ class Node:
         if self.forward is not None:
             out["forward"] = self.forward.to_dict()
         out["source"] = self.source
+        if self.replay is not None:
+            out["replay"] = self.replay.to_dict()
+        if self.gradcheck is not None:
+            out["gradcheck"] = self.gradcheck.to_dict()
         return out
 
     @classmethod
@@ -266,6 +326,8 @@ class Node:
             calls=tuple(NodeCall.from_dict(c) for c in data.get("calls", ())),
             forward=GradStat.from_dict(data["forward"]) if data.get("forward") else None,
             source=data.get("source"),
+            replay=Replay.from_dict(data["replay"]) if data.get("replay") else None,
+            gradcheck=Gradcheck.from_dict(data["gradcheck"]) if data.get("gradcheck") else None,
         )
 
 

@@ -37,7 +37,9 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 from .errors import InternalError, ModelError, UserCodeError
 from .loss import compute_loss
-from .records import GradStat, InputInfo, Meta, Node, NodeCall, Trace
+from .records import Gradcheck, GradStat, InputInfo, Meta, Node, NodeCall, Replay, Trace
+
+REPLAY_RTOL = 1e-6  # a replayed backward within this relative difference counts as reproducible
 
 # One queued statistic: (shape, dtype, layout, index into the norm queue or None).
 _PendingStat = tuple
@@ -223,7 +225,7 @@ def _is_descendant(path: str, ancestor: str) -> bool:
 class _NodeState:
     __slots__ = (
         "node", "name", "seq", "module", "param", "next", "calls", "in_backward", "created_in", "variable", "forward",
-        "source",
+        "source", "replay", "gradcheck",
     )
 
     def __init__(self, node: Any, in_backward: bool, is_leaf: bool):
@@ -240,6 +242,8 @@ class _NodeState:
         self.created_in: int | None = None
         self.forward: _PendingStat | None = None
         self.source: tuple[str, int] | None = None
+        self.replay: tuple | None = None
+        self.gradcheck: Gradcheck | None = None
 
 
 def _discovery_mode_class() -> type:
@@ -368,6 +372,11 @@ class _TraceSession:
         self._mode_class = _discovery_mode_class()
         self.forward_stats = False
         self.sites: _SiteRecorder | None = None
+        self.replay = False
+        self._replaying = False
+        # id(custom Function node) -> (node, class, args, kwargs, tensor mask), recorded in forward for
+        # --gradcheck (the arguments) and --replay (which arguments were tensors)
+        self.custom_calls: dict[int, tuple] = {}
         # id(node) -> (node, pending stat of the forward value it produced); the node is kept so its id stays its own
         self.forward_values: dict[int, tuple[Any, _PendingStat]] = {}
         self.param_grads: list[tuple[str, _PendingStat]] = []
@@ -469,6 +478,8 @@ class _TraceSession:
             self.modes.pop().__exit__(None, None, None)
 
     def _on_run(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        if self._replaying:  # a replayed backward that runs graph nodes of its own: not part of the trace
+            return None
         try:
             order = self.order
             self.order = order + 1
@@ -480,10 +491,58 @@ class _TraceSession:
                     record = (order, [stat(g) for g in grad_inputs], [stat(g) for g in grad_outputs])
             else:
                 record = (order, [stat(g) for g in grad_inputs], [stat(g) for g in grad_outputs])
-            self.states[node_id].calls.append(record)
+            state = self.states[node_id]
+            state.calls.append(record)
+            if self.replay and state.replay is None:
+                state.replay = self._replay(state, grad_inputs, grad_outputs)
         except Exception:  # never break the user's backward; report after it
             self.errors.append(traceback.format_exc())
         return None
+
+    def _replay(self, state: _NodeState, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+        """Run the node's backward again from the gradients it received; queue the largest difference.
+
+        Returns ``(difference position, scale position, note)``; positions index the norm queue.
+        """
+        torch = self._torch
+        node = state.node
+        if state.variable is not None:
+            return (None, None, "AccumulateGrad writes .grad: not replayed")
+        if state.name == "CheckpointFunctionBackward":
+            return (None, None, "recomputes its forward and runs a backward of its own: not replayed")
+        self._replaying = True
+        try:
+            with torch.no_grad():
+                if isinstance(node, self._custom_type):
+                    again = node.apply(*grad_outputs)
+                    again = again if isinstance(again, tuple) else (again,)
+                    call = self.custom_calls.get(id(node))
+                    if call is not None and call[0] is node:  # keep the gradients of tensor arguments
+                        again = tuple(g for g, is_tensor in zip(again, call[4]) if is_tensor)
+                else:
+                    again = node(*grad_outputs)
+                    again = again if isinstance(again, tuple) else (again,)
+                if len(again) != len(grad_inputs):
+                    return (None, None, f"replay gave {len(again)} gradients, the engine {len(grad_inputs)}")
+                diffs, scales = [], []
+                for replayed, original in zip(again, grad_inputs):
+                    if original is None or replayed is None:
+                        if (original is None) != (replayed is None):
+                            return (None, None, "replay gave None where the engine gave a gradient, or the reverse")
+                        continue
+                    if original.is_sparse:
+                        replayed, original = replayed.to_dense(), original.to_dense()
+                    diffs.append((replayed - original).abs().max().to(torch.float64))
+                    scales.append(original.abs().max().to(torch.float64))
+                if not diffs:
+                    return (None, None, "no gradient to compare")
+                self.norms.append(torch.stack(diffs).max())
+                self.norms.append(torch.stack(scales).max())
+                return (len(self.norms) - 2, len(self.norms) - 1, None)
+        except Exception as exc:  # the node refused to run again: that is the finding
+            return (None, None, f"could not run again: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        finally:
+            self._replaying = False
 
     def _stat(self, grad: Any) -> _PendingStat | None:
         """The pending statistics of a gradient, computed once per tensor object."""
@@ -547,6 +606,17 @@ class _TraceSession:
             for p, value in zip(positions, stacked):
                 values[p] = value
         return values
+
+    def run_gradchecks(self) -> None:
+        """Check each custom Function node recorded in forward (after backward: no hook is left)."""
+        from .gradcheck import check
+
+        for state in self.states:
+            call = self.custom_calls.get(id(state.node)) if state.node is not None else None
+            if call is not None and call[0] is state.node:
+                _, function_class, args, kwargs, _ = call
+                state.gradcheck = check(function_class, args, kwargs)
+        self.custom_calls.clear()
 
     def record_param_grads(self) -> None:
         """Queue each parameter's ``.grad`` as backward left it (under DDP: averaged across ranks)."""
@@ -622,6 +692,8 @@ class _TraceSession:
                     calls=calls if len(calls) > 1 else (),
                     forward=stat(state.forward),
                     source=_format_site(state.source),
+                    replay=_replay_record(state.replay, norms),
+                    gradcheck=state.gradcheck,
                 )
             )
         with_grad = {
@@ -671,6 +743,21 @@ class _TraceSession:
         self.norms.clear()
         self.forward_values.clear()
         self._seen.clear()
+        self.custom_calls.clear()
+
+
+def _replay_record(pending: tuple | None, norms: list[float | None]) -> Replay | None:
+    if pending is None:
+        return None
+    diff_position, scale_position, note = pending
+    if diff_position is None:
+        return Replay(None, None, None if note and note.endswith("not replayed") else False, note)
+    diff, scale = norms[diff_position], norms[scale_position]
+    if diff is None or scale is None:
+        return Replay(diff, None, None, "the difference could not be read")
+    relative = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+    reproducible = math.isfinite(relative) and relative <= REPLAY_RTOL
+    return Replay(diff, relative, reproducible, None)
 
 
 def _format_site(site: tuple[str, int] | None) -> str | None:
@@ -717,6 +804,8 @@ def trace(
     seed: int | None = None,
     forward_stats: bool = False,
     sources: bool = True,
+    replay: bool = False,
+    gradcheck: bool = False,
     rank: int = 0,
     world_size: int = 1,
 ) -> Trace:
@@ -743,6 +832,10 @@ def trace(
         rank, world_size: recorded in ``meta`` (set under torchrun).
         sources: record each node's creation site, the user's source line whose op
             made it (``Node.source``): a frame walk per op in forward.
+        replay: run each node's backward again inside its hook, from the gradients
+            it received, and compare with what the engine produced (``Node.replay``).
+        gradcheck: check every custom ``autograd.Function``'s backward numerically
+            in float64 on the inputs it was called with (``Node.gradcheck``).
 
     Returns:
         A frozen :class:`~tracer_cli.records.Trace` of plain numbers and strings.
@@ -779,8 +872,15 @@ def trace(
         tracker.start_recording()
         session.forward_stats = forward_stats
         session.sites = _SiteRecorder() if sources else None
+        session.replay = replay
         wants_mode = forward_stats or sources
-        with _forward_mode_class()(session, session.sites) if wants_mode else contextlib.nullcontext():
+        with contextlib.ExitStack() as forward_context:
+            if wants_mode:
+                forward_context.enter_context(_forward_mode_class()(session, session.sites))
+            if gradcheck or replay:
+                from .gradcheck import recording_calls
+
+                forward_context.enter_context(recording_calls(session.custom_calls, keep_args=gradcheck))
             try:
                 output = model(*args, **kwargs)
             except Exception as exc:
@@ -814,6 +914,8 @@ def trace(
         backward_done = time.perf_counter()
         session.close()
         session.record_param_grads()
+        if gradcheck:
+            session.run_gradchecks()
         meta = Meta(
             target=target or _describe_model(model),
             torch=torch.__version__,
