@@ -291,7 +291,7 @@ def test_run_takes_thresholds_too(runner):
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["--fail-on", "gradcheck"], "unknown --fail-on check 'gradcheck'"),
+        (["--fail-on", "gradchek"], "unknown --fail-on check 'gradchek'"),
         (["--warn-on", "nan"], "unknown --warn-on check 'nan'"),
         (["--min-grad-norm", "2", "--max-grad-norm", "1"], "above --max-grad-norm"),
         (["--filter", "("], "--filter"),
@@ -424,8 +424,9 @@ def test_annotation_escaping():
 def test_parse_fail_on_lists_only_what_works():
     assert parse_fail_on("nonfinite, zero,norm") == ("nonfinite", "zero", "norm")
     assert parse_fail_on(["divergence"]) == ("divergence",)
-    with pytest.raises(ValueError, match="known: nonfinite, nograd, zero, norm, divergence$"):
-        parse_fail_on("gradcheck")
+    assert parse_fail_on("gradcheck,replay") == ("gradcheck", "replay")
+    with pytest.raises(ValueError, match="known: nonfinite, nograd, zero, norm, divergence, gradcheck, replay$"):
+        parse_fail_on("gradchek")
 
 
 def test_policy_defaults_thresholds_and_demotion():

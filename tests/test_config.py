@@ -108,7 +108,7 @@ def test_values_are_converted(project):
         ("colour = 'red'\n", ["unknown key 'colour'", "known keys: targets"]),
         ("seed = 'zero'\n", ["seed must be an integer", "'zero'"]),
         ("max-grad-norm = -1\n", ["max-grad-norm = -1", "at least 0"]),
-        ("fail-on = ['nonfinite', 'gradcheck']\n", ["fail-on check 'gradcheck'"]),
+        ("fail-on = ['nonfinite', 'gradchek']\n", ["fail-on check 'gradchek'"]),
         ("eval = 'yes'\n", ["eval must be true or false"]),
         ("input = [1, 2]\n", ["input must be a string or a list of strings"]),
         ("seed = \n", ["not valid TOML"]),

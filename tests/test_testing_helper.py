@@ -85,10 +85,18 @@ def test_thresholds_loss_fn_and_fail_on():
 
 def test_bad_arguments():
     model, x = seeded("mlp")
-    with pytest.raises(ValueError, match="gradcheck"):
-        assert_gradients_healthy(model, (x,), fail_on="gradcheck")
+    with pytest.raises(ValueError, match="gradchek"):
+        assert_gradients_healthy(model, (x,), fail_on="gradchek")
     with pytest.raises(ValueError, match="above max_grad_norm"):
         assert_gradients_healthy(model, (x,), max_grad_norm=1.0, min_grad_norm=2.0)
+
+
+def test_gradcheck_failure_names_the_function():
+    model, x = seeded("wrong_backward")
+    with pytest.raises(AssertionError, match="SoftClipBackward"):
+        assert_gradients_healthy(model, (x,), gradcheck=True)
+    model, x = seeded("custom_function")
+    assert_gradients_healthy(model, (x,), gradcheck=True)
 
 
 # The plugin ---------------------------------------------------------------------------------------

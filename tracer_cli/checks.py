@@ -15,8 +15,8 @@ from typing import Any, Iterable, Sequence
 
 from .records import Node, Trace
 
-CHECKS = ("nonfinite", "nograd", "zero", "norm", "divergence")
-CHECK_DEFAULT_FAILING = ("nonfinite", "nograd")
+CHECKS = ("nonfinite", "nograd", "zero", "norm", "divergence", "gradcheck", "replay")
+CHECK_DEFAULT_FAILING = ("nonfinite", "nograd", "gradcheck")  # gradcheck and replay run only when asked for
 ALL_PARAMETERS = "(all parameters)"  # the parameter column of the total-norm finding
 _LISTED = 5  # parameter names listed in a message before "and N more"
 
@@ -147,7 +147,51 @@ def trace_findings(trace: Trace, thresholds: Thresholds | None = None) -> list[F
     ]
     if thresholds is not None and thresholds.active:
         findings += norm_findings(trace, thresholds)
+    findings += gradcheck_findings(trace) + replay_findings(trace)
     return findings
+
+
+def gradcheck_findings(trace: Trace) -> list[Finding]:
+    """Custom Functions whose backward failed the numerical check (``--gradcheck``)."""
+    return [
+        Finding(
+            "gradcheck",
+            "backward does not match the numerical gradient (fast gradcheck, float64; directional mismatch "
+            f"{_number(node.gradcheck.mismatch)})",
+            node=node.id,
+            name=node.name,
+            module=node.module,
+            value=node.gradcheck.mismatch,
+        )
+        for node in trace.nodes
+        if node.gradcheck is not None and node.gradcheck.passed is False
+    ]
+
+
+def replay_findings(trace: Trace) -> list[Finding]:
+    """Nodes whose backward, run again from the same gradients, gave something else (``--replay``)."""
+    findings = []
+    for node in trace.nodes:
+        replay = node.replay
+        if replay is None or replay.reproducible is not False:
+            continue
+        detail = replay.note or f"relative difference {_number(replay.relative)}"
+        findings.append(
+            Finding(
+                "replay",
+                f"backward is not reproducible from its inputs ({detail}): hidden state, nondeterminism or "
+                "communication",
+                node=node.id,
+                name=node.name,
+                module=node.module,
+                value=replay.relative,
+            )
+        )
+    return findings
+
+
+def _number(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.2e}"
 
 
 def nonfinite_findings(trace: Trace) -> list[Finding]:
@@ -363,6 +407,8 @@ def check_traces(
     per_rank = [trace_findings(t, policy.thresholds) for t in traces]
     findings = merge_rank_findings(per_rank) if len(per_rank) > 1 else per_rank[0]
     checks = ["nonfinite", "nograd", "zero"] + (["norm"] if policy.thresholds.active else [])
+    checks += [name for name, field_name in (("gradcheck", "gradcheck"), ("replay", "replay"))
+               if any(getattr(n, field_name) is not None for t in traces for n in t.nodes)]
     if comparison is not None:
         findings += comparison_findings(comparison)
         checks.append("divergence")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, List, Optional
@@ -184,7 +184,8 @@ _FILTER = typer.Option(
 )
 _ALL = typer.Option(False, "--all", help="Show every node line (no --max-nodes bound).")
 _CHECK_NAMES = "nonfinite (NaN/Inf gradients), nograd (parameters without gradient), zero (all-zero parameter " \
-    "gradients), norm (outside --max-grad-norm/--min-grad-norm), divergence (ranks disagree)"
+    "gradients), norm (outside --max-grad-norm/--min-grad-norm), divergence (ranks disagree), gradcheck (a custom " \
+    "Function failed --gradcheck), replay (a backward not reproducible under --replay)"
 _FAIL_ON = typer.Option(
     None, "--fail-on", metavar="CHECKS", help=f"Exit 1 when any of these is found (comma list): {_CHECK_NAMES}. "
     "Added to the checks that fail anyway (check: nonfinite, nograd; norm when a threshold is set).",
@@ -217,6 +218,15 @@ _TIMEOUT = typer.Option(
     120.0, "--timeout", min=1.0, metavar="SECONDS", help="Under torchrun: how long to wait for the other ranks."
 )
 _DEBUG = typer.Option(False, "--debug", help="Show full tracebacks, gradtrace's own frames included.")
+_REPLAY = typer.Option(
+    False, "--replay", help="Run each node's backward again inside its hook, from the gradients it received, and "
+    "report nodes whose backward is not reproducible (hidden state, nondeterminism, communication)."
+)
+_GRADCHECK = typer.Option(
+    False, "--gradcheck", help="Check every custom autograd.Function's backward numerically (fast gradcheck, "
+    "float64) on the inputs it was called with."
+)
+_STACK = typer.Option(False, "--stack", help="Record the full user stack behind every node and show it.")
 
 
 @dataclass
@@ -242,6 +252,10 @@ class _Options:
     timeout: float
     policy: Any  # CheckPolicy
     debug: bool
+    replay: bool = False
+    gradcheck: bool = False
+    stack: bool = False
+    exports: dict[str, str] = field(default_factory=dict)  # "svg" / "html" / "dot" -> path
 
 
 @app.command()
@@ -279,6 +293,19 @@ def run(
     rank_seed: bool = _RANK_SEED,
     rtol: float = _RTOL,
     timeout: float = _TIMEOUT,
+    replay: bool = _REPLAY,
+    gradcheck: bool = _GRADCHECK,
+    stack: bool = _STACK,
+    svg: Optional[str] = typer.Option(
+        None, "--svg", metavar="PATH", help="Also save what is printed as an SVG picture.", show_default=False
+    ),
+    html: Optional[str] = typer.Option(
+        None, "--html", metavar="PATH", help="Also save what is printed as an HTML page.", show_default=False
+    ),
+    dot: Optional[str] = typer.Option(
+        None, "--dot", metavar="PATH", help="Save the backward graph in Graphviz DOT (render: dot -Tsvg PATH).",
+        show_default=False,
+    ),
     debug: bool = _DEBUG,
 ) -> None:
     """Run forward and backward with a hook on every autograd node; show what each saw.
@@ -330,6 +357,9 @@ def check(
     rank_seed: bool = _RANK_SEED,
     rtol: float = _RTOL,
     timeout: float = _TIMEOUT,
+    replay: bool = _REPLAY,
+    gradcheck: bool = _GRADCHECK,
+    stack: bool = _STACK,
     debug: bool = _DEBUG,
 ) -> None:
     """Check gradient health: trace each target, fail on unhealthy gradients (for CI).
@@ -422,6 +452,7 @@ def _options(ctx: typer.Context) -> _Options:
             max_nodes=None if params["show_all"] else params["max_nodes"],
             depth=params["depth"],
             pattern=pattern,
+            show_stack=params.get("stack", False),
         ),
         ranks=params["ranks"],
         rank_seed=params["rank_seed"],
@@ -431,6 +462,10 @@ def _options(ctx: typer.Context) -> _Options:
             CHECK_DEFAULT_FAILING if command == "check" else (), fail_on=fail_on, warn_on=warn_on, thresholds=thresholds
         ),
         debug=params["debug"],
+        replay=params.get("replay", False),
+        gradcheck=params.get("gradcheck", False),
+        stack=params.get("stack", False),
+        exports={kind: params[kind] for kind in ("svg", "html", "dot") if params.get(kind)},
     )
 
 
@@ -505,9 +540,13 @@ def _trace(options: _Options, target: str, *, seed: int, device: str, rank: int 
         train=False if options.eval_mode else None,
         target=target,
         seed=seed,
-        forward_stats=world_size > 1,
+        # forward values let ranks, or two JSON files (gradtrace diff), be compared
+        forward_stats=world_size > 1 or options.json_path is not None,
         rank=rank,
         world_size=world_size,
+        replay=options.replay,
+        gradcheck=options.gradcheck,
+        stacks=options.stack,
     )
 
 
@@ -536,12 +575,23 @@ def _run_single(options: _Options) -> int:
 
     from .render.tree import render_trace
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, record=bool(options.exports))
     console.print(render_trace(result, options.tree))
     _print_findings(console, findings, "")
+    _save_exports(options, console, result)
     if options.json_path is not None:
         _stderr_console().print(f"trace written to {options.json_path}", style="dim", markup=False)
     return _verdict(findings)
+
+
+def _save_exports(options: _Options, console: Any, result: Any) -> None:
+    """--svg / --html (what the console printed) and --dot (the graph of ``result``)."""
+    from .render.export import export_dot, export_html, export_svg
+
+    makers = {"svg": lambda: export_svg(console), "html": lambda: export_html(console), "dot": lambda: export_dot(result)}
+    for kind, path in options.exports.items():
+        _write_file(path, makers[kind]())
+        _stderr_console().print(f"{kind} written to {path}", style="dim", markup=False)
 
 
 def _check_single(options: _Options) -> int:
@@ -702,10 +752,11 @@ def _compare_and_show(options: _Options, documents: list[dict[str, Any]]) -> int
         _write_json(options.json_path, dumps_merged(traces, comparison))
         if options.json_path == "-":
             return _verdict(failed)
-    console = Console(highlight=False)
+    console = Console(highlight=False, record=bool(options.exports))
     for line in _rank_lines(options, console, traces, comparison):
         console.print(line, soft_wrap=True)
     _print_findings(console, failed, "[rank0] ")
+    _save_exports(options, console, traces[0])
     if options.json_path is not None:
         _stderr_console().print(f"[rank0] merged trace of {len(traces)} ranks written to {options.json_path}", style="dim", markup=False)
     return _verdict(failed)
@@ -755,17 +806,76 @@ def _verdict(findings: list[Any]) -> int:
     return ExitCode.GRADIENT_PROBLEMS if findings else ExitCode.OK
 
 
-def _write_json(json_path: str, text: str) -> None:
+def _write_file(path: str, text: str) -> None:
     from .errors import UsageError
 
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def _write_json(json_path: str, text: str) -> None:
     if json_path == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    try:
-        Path(json_path).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot write {json_path}: {exc.strerror or exc}") from exc
+    _write_file(json_path, text)
+
+
+@app.command()
+def diff(
+    first: str = typer.Argument(..., metavar="A.json", help="A trace written by --json (FILE#N: rank N of a merged file).",
+                                show_default=False),
+    second: str = typer.Argument(..., metavar="B.json", help="The trace to compare it with.", show_default=False),
+    rtol: float = typer.Option(1e-5, "--rtol", min=0.0, help="Relative tolerance on norms (e.g. 1e-2 for fp32 vs bf16)."),
+    json_path: Optional[str] = typer.Option(
+        None, "--json", metavar="OUT", help="Write the differences as JSON: first_divergent and per-node spreads.",
+        show_default=False,
+    ),
+    debug: bool = _DEBUG,
+) -> None:
+    """Compare two traces node by node and name where they first differ.
+
+    Uses the comparison of torchrun ranks: structure (the graphs differ), forward (the earliest node whose forward
+    value differs while its inputs agree: a changed layer or parameter), backward (the first node that received the
+    same gradients but sent on different ones). Traces written by --json carry the forward values it needs.
+
+    Exit codes: 0 the traces agree, 1 they differ, 2 a file is unreadable or not a gradtrace/1 trace.
+    """
+
+    def body() -> int:
+        import json
+
+        from rich.console import Console
+
+        from .compare import compare
+        from .errors import UsageError
+        from .render.diff import render_diff
+        from .render.json import read_trace
+
+        try:
+            (a, note_a), (b, note_b) = read_trace(first), read_trace(second)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+        comparison = compare([a, b], rtol=rtol, labels=[0, 1])
+        for note in (note_a, note_b):
+            if note:
+                _stderr_console().print(note, style="dim", markup=False)
+        if json_path is not None:
+            first_divergent = comparison["first_divergent"]
+            if first_divergent is not None:
+                first_divergent = {k: first_divergent[k] for k in ("id", "name", "module", "param", "kind")}
+            document = {"first_divergent": first_divergent, "nodes": comparison["nodes"],
+                        "unsynchronized_params": comparison["unsynchronized_params"], "rtol": rtol,
+                        "note": comparison["note"], "a": first, "b": second}
+            _write_json(json_path, json.dumps(document, allow_nan=False, sort_keys=True, indent=1) + "\n")
+        if json_path != "-":
+            Console(highlight=False).print(render_diff(a, b, comparison, (first, second)))
+        differs = comparison["first_divergent"] is not None or bool(comparison["unsynchronized_params"])
+        return ExitCode.GRADIENT_PROBLEMS if differs else ExitCode.OK
+
+    _guarded(debug, body)
 
 
 def main() -> None:

@@ -29,8 +29,8 @@ def _tensors(value: Any, tensor_type: type) -> list[Any]:
 
 
 @contextlib.contextmanager
-def recording_calls(calls: dict[int, tuple], keep_args: bool) -> Iterator[None]:
-    """Record each custom Function call under ``id(node)``.
+def recording_calls(calls: dict[int, tuple] | None, keep_args: bool, sites: Any = None) -> Iterator[None]:
+    """Record each custom Function call under ``id(node)`` (and, with ``sites``, where it was made).
 
     The record is ``(node, Function class, args, kwargs, tensor_mask)``: ``tensor_mask``
     says which positional arguments were tensors (the backward returns one gradient per
@@ -41,9 +41,16 @@ def recording_calls(calls: dict[int, tuple], keep_args: bool) -> Iterator[None]:
 
     function = torch.autograd.Function
     original = function.__dict__["apply"]
+    next_sequence_nr = torch._C._autograd._get_sequence_nr
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        first = next_sequence_nr()
         output = original.__func__(cls, *args, **kwargs)
+        if sites is not None:  # the Function's node was numbered before its forward ran
+            sites.starts += (first, first + 1)
+            sites.sites += (sites.user_site(), None)
+        if calls is None:
+            return output
         for tensor in _tensors(output, torch.Tensor):
             if tensor.grad_fn is not None:
                 mask = tuple(isinstance(a, torch.Tensor) for a in args)

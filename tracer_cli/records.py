@@ -213,6 +213,7 @@ class Node:
         source: ``path:line`` of the user's code whose op created the node (the
             innermost frame outside torch and gradtrace); ``None`` for leaves,
             custom Function nodes and nodes made during backward.
+        stack: every user frame behind the node, innermost first (``--stack``).
         replay: the node's backward run again in its hook (``--replay``).
         gradcheck: a custom Function's numerical check (``--gradcheck``).
     """
@@ -230,6 +231,7 @@ class Node:
     calls: tuple[NodeCall, ...] = ()
     forward: GradStat | None = None
     source: str | None = None
+    stack: tuple[str, ...] | None = None
     replay: Replay | None = None
     gradcheck: Gradcheck | None = None
 
@@ -304,6 +306,8 @@ class Node:
         if self.forward is not None:
             out["forward"] = self.forward.to_dict()
         out["source"] = self.source
+        if self.stack is not None:
+            out["stack"] = list(self.stack)
         if self.replay is not None:
             out["replay"] = self.replay.to_dict()
         if self.gradcheck is not None:
@@ -326,6 +330,7 @@ class Node:
             calls=tuple(NodeCall.from_dict(c) for c in data.get("calls", ())),
             forward=GradStat.from_dict(data["forward"]) if data.get("forward") else None,
             source=data.get("source"),
+            stack=tuple(data["stack"]) if data.get("stack") is not None else None,
             replay=Replay.from_dict(data["replay"]) if data.get("replay") else None,
             gradcheck=Gradcheck.from_dict(data["gradcheck"]) if data.get("gradcheck") else None,
         )

@@ -35,6 +35,8 @@ def assert_gradients_healthy(
     loss_reduction: str = "sum",
     input_grad: bool = True,
     train: bool | None = None,
+    gradcheck: bool = False,
+    replay: bool = False,
 ) -> Trace:
     """Trace ``model(*args, **kwargs)`` and its backward; raise AssertionError on unhealthy gradients.
 
@@ -49,6 +51,8 @@ def assert_gradients_healthy(
         fail_on: checks that fail besides nonfinite and nograd (``"zero"``, ``"norm"``; a comma string or names).
         warn_on: checks that only warn (e.g. ``"nograd"`` for a parameter unused on purpose).
         loss_reduction, input_grad, train: as for :func:`tracer_cli.trace`.
+        gradcheck: check custom autograd.Functions numerically; a failure fails the assertion.
+        replay: run each node's backward again; ``fail_on="replay"`` makes a difference fail.
 
     Returns:
         The :class:`~tracer_cli.records.Trace`, for further assertions.
@@ -71,7 +75,8 @@ def assert_gradients_healthy(
         thresholds=thresholds,
     )
     result = trace(
-        model, args, kwargs, loss_fn=loss_fn, loss_reduction=loss_reduction, input_grad=input_grad, train=train
+        model, args, kwargs, loss_fn=loss_fn, loss_reduction=loss_reduction, input_grad=input_grad, train=train,
+        gradcheck=gradcheck, replay=replay,
     )
     report = check_traces([result], policy, target=result.meta.target)
     if report.failures:

@@ -225,7 +225,7 @@ def _is_descendant(path: str, ancestor: str) -> bool:
 class _NodeState:
     __slots__ = (
         "node", "name", "seq", "module", "param", "next", "calls", "in_backward", "created_in", "variable", "forward",
-        "source", "replay", "gradcheck",
+        "source", "stack", "replay", "gradcheck",
     )
 
     def __init__(self, node: Any, in_backward: bool, is_leaf: bool):
@@ -242,6 +242,7 @@ class _NodeState:
         self.created_in: int | None = None
         self.forward: _PendingStat | None = None
         self.source: tuple[str, int] | None = None
+        self.stack: tuple | None = None
         self.replay: tuple | None = None
         self.gradcheck: Gradcheck | None = None
 
@@ -289,22 +290,41 @@ class _SiteRecorder:
     Nodes made inside an op (``TBackward0`` of ``F.linear``) share the op's site.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stacks: bool = False) -> None:
         import torch
 
         self._next_sequence_nr = torch._C._autograd._get_sequence_nr
         self._skip = _library_prefixes()
+        self.stacks = stacks
+        self._sorted = False
         self.starts: list[int] = []
-        self.sites: list[tuple[str, int] | None] = []
+        self.sites: list[Any] = []
 
-    def user_site(self) -> tuple[str, int] | None:
-        frame = sys._getframe(2)
+    def user_site(self, depth: int = 2) -> Any:
+        """The innermost user frame as ``(path, line)``; with ``stacks``, every user frame (innermost first)
+        as ``((path, line, function), ...)``, up to the call of ``trace()``."""
+        frame = sys._getframe(depth)
         skip = self._skip
         while frame is not None and frame.f_code.co_filename.startswith(skip):
             frame = frame.f_back
-        return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+        if frame is None:
+            return None
+        if not self.stacks:
+            return (frame.f_code.co_filename, frame.f_lineno)
+        stack = []
+        while frame is not None and frame.f_code is not _TRACE_CODE:  # up to the model call, not the CLI above it
+            code = frame.f_code
+            if not code.co_filename.startswith(skip):
+                stack.append((code.co_filename, frame.f_lineno, code.co_name))
+            frame = frame.f_back
+        return tuple(stack)
 
-    def site_at(self, seq: int) -> tuple[str, int] | None:
+    def site_at(self, seq: int) -> Any:
+        if not self._sorted:  # a Function applied inside an op is recorded before that op
+            order = sorted(range(len(self.starts)), key=self.starts.__getitem__)
+            self.starts = [self.starts[i] for i in order]
+            self.sites = [self.sites[i] for i in order]
+            self._sorted = True
         position = bisect.bisect_right(self.starts, seq) - 1
         return self.sites[position] if position >= 0 else None
 
@@ -532,6 +552,12 @@ class _TraceSession:
                         continue
                     if original.is_sparse:
                         replayed, original = replayed.to_dense(), original.to_dense()
+                    # what the engine does to a node's outputs before passing them on (validate_outputs):
+                    # reduce a broadcast gradient to the input's shape, cast to its dtype
+                    if replayed.shape != original.shape:
+                        replayed = replayed.sum_to_size(original.shape)
+                    if replayed.dtype != original.dtype:
+                        replayed = replayed.to(original.dtype)
                     diffs.append((replayed - original).abs().max().to(torch.float64))
                     scales.append(original.abs().max().to(torch.float64))
                 if not diffs:
@@ -633,7 +659,11 @@ class _TraceSession:
             if state.seq is not None and not state.in_backward:
                 state.module = self.tracker.module_at(state.seq)
                 if self.sites is not None:
-                    state.source = self.sites.site_at(state.seq)
+                    site = self.sites.site_at(state.seq)
+                    if site is not None and self.sites.stacks:
+                        state.stack = site
+                        site = site[0][:2]
+                    state.source = site
             elif state.in_backward and state.seq is not None and state.module is None and state.created_in is not None:
                 # e.g. a checkpointed function's own ops: they belong where the checkpoint was called
                 state.module = self.states[state.created_in].module
@@ -692,6 +722,9 @@ class _TraceSession:
                     calls=calls if len(calls) > 1 else (),
                     forward=stat(state.forward),
                     source=_format_site(state.source),
+                    stack=None if state.stack is None else tuple(
+                        f"{_format_site(frame[:2])} in {frame[2]}" for frame in state.stack
+                    ),
                     replay=_replay_record(state.replay, norms),
                     gradcheck=state.gradcheck,
                 )
@@ -806,6 +839,7 @@ def trace(
     sources: bool = True,
     replay: bool = False,
     gradcheck: bool = False,
+    stacks: bool = False,
     rank: int = 0,
     world_size: int = 1,
 ) -> Trace:
@@ -836,6 +870,8 @@ def trace(
             it received, and compare with what the engine produced (``Node.replay``).
         gradcheck: check every custom ``autograd.Function``'s backward numerically
             in float64 on the inputs it was called with (``Node.gradcheck``).
+        stacks: with ``sources``, record every user frame behind each node
+            (``Node.stack``), not only the innermost.
 
     Returns:
         A frozen :class:`~tracer_cli.records.Trace` of plain numbers and strings.
@@ -871,16 +907,17 @@ def trace(
         tracker.install()
         tracker.start_recording()
         session.forward_stats = forward_stats
-        session.sites = _SiteRecorder() if sources else None
+        session.sites = _SiteRecorder(stacks) if sources or stacks else None
         session.replay = replay
-        wants_mode = forward_stats or sources
+        wants_mode = forward_stats or session.sites is not None
         with contextlib.ExitStack() as forward_context:
             if wants_mode:
                 forward_context.enter_context(_forward_mode_class()(session, session.sites))
-            if gradcheck or replay:
+            if gradcheck or replay or session.sites is not None:
                 from .gradcheck import recording_calls
 
-                forward_context.enter_context(recording_calls(session.custom_calls, keep_args=gradcheck))
+                calls = session.custom_calls if gradcheck or replay else None
+                forward_context.enter_context(recording_calls(calls, keep_args=gradcheck, sites=session.sites))
             try:
                 output = model(*args, **kwargs)
             except Exception as exc:
@@ -972,3 +1009,6 @@ def _input_hint(infos: list[InputInfo]) -> str | None:
         return None
     shapes = ", ".join(f"{i.name} {i.dtype}{list(i.shape)}" for i in infos)
     return f"the model was called with {shapes}; check the input specs (-i) or example_inputs()"
+
+
+_TRACE_CODE = trace.__code__

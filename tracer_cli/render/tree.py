@@ -44,6 +44,7 @@ class TreeOptions:
         pattern: a regular expression; only nodes whose name, module or parameter
             match are shown.
         marks: node id → a note shown in red on its line (e.g. a divergence).
+        show_stack: show each node's recorded user stack (``--stack``) under its line.
     """
 
     view: str = "modules"
@@ -51,6 +52,7 @@ class TreeOptions:
     depth: int | None = None
     pattern: str | None = None
     marks: Mapping[int, str] = field(default_factory=dict)
+    show_stack: bool = False
 
 
 def short_name(name: str) -> str:
@@ -73,6 +75,7 @@ class _Styler:
 
     def __init__(self, trace: Trace, marks: Mapping[int, str] | None = None, top: int = 3):
         self.marks = marks or {}
+        self.show_stack = False
         origin = trace.nonfinite_origin()
         self.origin = None if origin is None else origin.id
         norms = sorted(
@@ -123,7 +126,27 @@ def node_line(node: Node, styler: _Styler, *, show_module: bool) -> Text:
     mark = styler.marks.get(node.id)
     if mark:
         text.append(f"  {mark}", style=_NONFINITE)
+    _append_checks(text, node)
+    if styler.show_stack and node.stack:
+        for frame in node.stack:
+            text.append(f"\n    at {frame}", style="dim")
     return text
+
+
+def _append_checks(text: Text, node: Node) -> None:
+    """The results of --gradcheck and --replay on a node line (replay only when it is worth a look)."""
+    check = node.gradcheck
+    if check is not None:
+        if check.passed:
+            text.append(f"  gradcheck ✓ ({format_norm(check.mismatch)})", style="green")
+        elif check.passed is False:
+            text.append(f"  gradcheck ✗ mismatch {format_norm(check.mismatch)}", style=_NONFINITE)
+        else:
+            text.append(f"  gradcheck not run: {check.error}", style="dim")
+    replay = node.replay
+    if replay is not None and replay.reproducible is False:
+        detail = replay.note or f"differs by {format_norm(replay.relative)} (relative)"
+        text.append(f"  replay ✗ {detail}", style=_NONFINITE)
 
 
 def _node_text(node: Node, styler: _Styler, *, show_module: bool) -> Text:
@@ -356,6 +379,7 @@ def render_tree(trace: Trace, options: TreeOptions | None = None) -> tuple[Tree,
     if options.view not in VIEWS:
         raise ValueError(f"unknown view {options.view!r}; expected one of {', '.join(VIEWS)}")
     styler = _Styler(trace, options.marks)
+    styler.show_stack = options.show_stack
     budget = _Budget(options.max_nodes)
     build = _module_tree if options.view == "modules" else _graph_tree
     return build(trace, options, styler, budget), budget.hidden
@@ -391,6 +415,20 @@ def render_summary(trace: Trace) -> Table:
             table.add_row(title, f"‖{format_norm(entry['norm'])}‖  #{node.id} {short_name(node.name)} {_where(node)}")
     if summary["param_grad_norm_total"] is not None:
         table.add_row("params ‖grad‖", format_norm(float(summary["param_grad_norm_total"])))
+    checked = [n for n in trace.nodes if n.gradcheck is not None and n.gradcheck.passed is not None]
+    if checked:
+        failed = [n for n in checked if not n.gradcheck.passed]
+        text = Text(f"{len(checked)} custom Functions checked, {len(failed)} failed", style=_NONFINITE if failed else "green")
+        for node in failed[:5]:
+            text.append(f"; #{node.id} {short_name(node.name)} (mismatch {format_norm(node.gradcheck.mismatch)})", style=_NONFINITE)
+        table.add_row("gradcheck", text)
+    replayed = [n for n in trace.nodes if n.replay is not None and n.replay.reproducible is not None]
+    if replayed:
+        differ = [n for n in replayed if not n.replay.reproducible]
+        text = Text(f"{len(replayed)} nodes replayed, {len(differ)} not reproducible", style=_NONFINITE if differ else "green")
+        for node in differ[:5]:
+            text.append(f"; #{node.id} {short_name(node.name)} {_where(node)}", style=_NONFINITE)
+        table.add_row("replay", text)
     if trace.params_without_grad:
         names = list(trace.params_without_grad)
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")

@@ -1,0 +1,261 @@
+"""Bug-locating tools: non-finite origins with source lines, gradtrace diff, --replay, --gradcheck, exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import textwrap
+import xml.etree.ElementTree as ElementTree
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+from typer.testing import CliRunner
+
+from tracer_cli import trace
+from tracer_cli.cli import app
+from tracer_cli.render.export import export_dot, export_svg
+from tracer_cli.render.tree import render_trace
+
+from .reference import SAMPLES_DIR, load_sample
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+def code_line(sample: str, fragment: str) -> int:
+    lines = (SAMPLES_DIR / f"{sample}.py").read_text().splitlines()
+    return max(i + 1 for i, text in enumerate(lines) if fragment in text)  # the code, not the docstring
+
+
+def sample_trace(name: str, **options):
+    module = load_sample(name)
+    torch.manual_seed(0)
+    model = module.build_model() if hasattr(module, "build_model") else module.model
+    torch.manual_seed(0)
+    return trace(model, module.example_inputs(), loss_fn=getattr(module, "loss_fn", None), **options)
+
+
+# Where the first non-finite gradient came from ---------------------------------------------------
+
+
+def test_nan_origin_names_node_module_and_line():
+    result = sample_trace("nan_where")
+    first = result.summary()["first_nonfinite"]
+    assert (first["name"], first["module"], first["kind"]) == ("SqrtBackward0", "", "nan")
+    assert first["source"] == f"sample_models/nan_where.py:{code_line('nan_where', 'torch.sqrt(h)')}"
+    listed = result.summary()["nonfinite"]
+    assert listed[0]["id"] == first["id"] and len(listed) == len(result.nonfinite_nodes())
+
+
+def test_masked_infinity_is_found_although_later_nodes_are_finite():
+    result = sample_trace("masked_inf")
+    first = result.summary()["first_nonfinite"]
+    assert first["name"] == "SqrtBackward0" and first["kind"] == "inf"
+    assert first["source"].endswith(f"masked_inf.py:{code_line('masked_inf', 'torch.sqrt(')}")
+    # the ReLU behind it masks the infinity: what it sends on is finite, and so are the parameter gradients
+    (relu,) = [n for n in result.nodes if n.name == "ReluBackward0" and first["id"] in (
+        p.id for p in result.nodes if n.id in p.next)]
+    assert all(s.finite for s in relu.grad_inputs if s is not None)
+    assert all(stat.finite for _, stat in result.param_grads)
+
+
+def test_healthy_model_has_no_origin():
+    assert sample_trace("mlp").summary()["first_nonfinite"] is None
+
+
+def test_terminal_names_the_origin_and_its_line():
+    result = invoke("run", str(SAMPLES_DIR / "nan_where.py"))
+    line = code_line("nan_where", "torch.sqrt(h)")
+    assert "starts here" in result.stdout
+    assert "it starts at #" in result.stdout and f"nan_where.py:{line}" in result.stdout
+
+
+def test_stack_records_every_user_frame():
+    def helper(x, w):
+        return (x * w).sqrt()
+
+    w = nn.Parameter(torch.ones(3))
+
+    def model(x):
+        return helper(x, w).sum()
+
+    result = trace(model, torch.ones(3), stacks=True)
+    (sqrt,) = result.find("SqrtBackward0")
+    assert [frame.rsplit(" in ", 1)[1] for frame in sqrt.stack] == ["helper", "model"]
+    assert sqrt.source == sqrt.stack[0].rsplit(" in ", 1)[0]
+
+
+# gradtrace diff ---------------------------------------------------------------------------------
+
+
+CHANGEABLE = """
+import os
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    if os.environ.get("GRADTRACE_TEST_CHANGE"):
+        with torch.no_grad():
+            model[2].weight.mul_(1.1)
+    return model
+
+def example_inputs():
+    return torch.randn(4, 8)
+"""
+
+
+@pytest.fixture
+def two_runs(tmp_path, monkeypatch):
+    path = tmp_path / "changeable.py"
+    path.write_text(textwrap.dedent(CHANGEABLE))
+    before, after = tmp_path / "before.json", tmp_path / "after.json"
+    assert invoke("run", str(path), "--json", str(before)).exit_code == 0
+    monkeypatch.setenv("GRADTRACE_TEST_CHANGE", "1")
+    assert invoke("run", f"{path}:build_model", "--json", str(after)).exit_code == 0
+    return before, after
+
+
+def test_diff_of_identical_runs_exits_0(two_runs):
+    before, _ = two_runs
+    result = invoke("diff", str(before), str(before))
+    assert result.exit_code == 0
+    assert "agree" in result.stdout
+
+
+def test_diff_names_the_changed_layer(two_runs, tmp_path):
+    before, after = two_runs
+    out = tmp_path / "diff.json"
+    result = invoke("diff", str(before), str(after), "--json", str(out))
+    assert result.exit_code == 1
+    document = json.loads(out.read_text())
+    first = document["first_divergent"]
+    assert first["kind"] == "forward" and first["param"] == "2.weight" and first["module"] == "2"
+    assert "2.weight" in result.stdout.splitlines()[0]
+    differing = [n for n in document["nodes"] if any(n[k] not in (None, 0.0) for k in ("forward", "grad_inputs", "grad_outputs"))]
+    assert len(differing) > 1  # downstream nodes differ too; the origin is still the layer
+
+
+def test_diff_of_incompatible_files_exits_2(tmp_path, two_runs):
+    before, _ = two_runs
+    other = tmp_path / "other.json"
+    other.write_text('{"schema": "gradtrace/99", "nodes": []}')
+    result = invoke("diff", str(before), str(other))
+    assert result.exit_code == 2
+    assert "gradtrace/99" in result.stderr
+    not_json = tmp_path / "notes.txt"
+    not_json.write_text("hello")
+    assert invoke("diff", str(before), str(not_json)).exit_code == 2
+    assert invoke("diff", str(before), str(tmp_path / "missing.json")).exit_code == 2
+    assert invoke("diff", f"{before}#1", str(before)).exit_code == 2  # not a merged file
+
+
+def test_diff_reads_one_rank_of_a_merged_file(tmp_path, two_runs):
+    before, after = two_runs
+    merged = tmp_path / "merged.json"
+    merged.write_text(json.dumps({"schema": "gradtrace/1", "world_size": 2,
+                                  "ranks": [json.loads(before.read_text()), json.loads(after.read_text())]}))
+    assert invoke("diff", f"{merged}#0", str(before)).exit_code == 0
+    assert invoke("diff", f"{merged}#1", str(before)).exit_code == 1
+    assert invoke("diff", f"{merged}#2", str(before)).exit_code == 2
+
+
+# --replay -------------------------------------------------------------------------------------
+
+
+def test_replay_reproduces_builtin_and_correct_custom_nodes():
+    result = sample_trace("custom_function", replay=True)
+    replayed = [n for n in result.nodes if n.replay is not None and n.replay.reproducible is not None]
+    assert {"MyLinearBackward", "SumBackward0"} <= {n.name for n in replayed} | {"SumBackward0"}
+    assert all(n.replay.reproducible for n in replayed), [(n.name, n.replay) for n in replayed]
+    leaves = [n for n in result.nodes if n.is_leaf]
+    assert all(n.replay.reproducible is None and "not replayed" in n.replay.note for n in leaves)
+
+
+def test_replay_flags_a_stateful_backward():
+    result = sample_trace("stateful_backward", replay=True)
+    (node,) = result.find("DecayingGradBackward")
+    assert node.replay.reproducible is False and node.replay.relative == pytest.approx(0.5)
+    others = [n for n in result.nodes if n.replay and n.replay.reproducible is not None and n is not node]
+    assert others and all(n.replay.reproducible for n in others)
+
+
+def test_replay_leaves_gradients_unchanged():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    with_replay = trace(model, x, replay=True)
+    without = trace(model, x)
+    assert [n.grad_outputs for n in with_replay.nodes] == [n.grad_outputs for n in without.nodes]
+
+
+# --gradcheck ----------------------------------------------------------------------------------
+
+
+def test_gradcheck_passes_correct_functions_with_non_tensor_arguments():
+    result = sample_trace("custom_function", gradcheck=True)
+    nodes = result.find("MyLinearBackward")
+    assert nodes and all(n.gradcheck.passed is True and n.gradcheck.mismatch < 1e-6 for n in nodes)
+
+
+def test_gradcheck_fails_a_backward_that_forgets_a_term():
+    result = sample_trace("wrong_backward", gradcheck=True)
+    (node,) = result.find("SoftClipBackward")
+    assert node.gradcheck.passed is False and node.gradcheck.mismatch > 1e-3
+    assert node.module == ""
+
+
+def test_check_fails_on_gradcheck_and_passes_correct_functions():
+    bad = invoke("check", str(SAMPLES_DIR / "wrong_backward.py"), "--gradcheck")
+    assert bad.exit_code == 1
+    assert "SoftClipBackward" in bad.stdout and "gradcheck" in bad.stdout
+    good = invoke("check", str(SAMPLES_DIR / "custom_function.py"), "--gradcheck")
+    assert good.exit_code == 0, good.stdout
+    assert invoke("check", str(SAMPLES_DIR / "wrong_backward.py")).exit_code == 0  # not asked for: not run
+
+
+# Exports ------------------------------------------------------------------------------------------
+
+
+def test_svg_parses_and_is_byte_stable_for_the_same_trace():
+    result = sample_trace("mlp")
+
+    def svg() -> str:
+        console = Console(width=100, record=True, file=open(os.devnull, "w"), color_system="truecolor")
+        console.print(render_trace(result))
+        return export_svg(console)
+
+    first = svg()
+    assert first == svg()
+    root = ElementTree.fromstring(first)
+    assert root.tag.endswith("svg")
+
+
+def test_cli_exports(tmp_path):
+    paths = {kind: tmp_path / f"out.{kind}" for kind in ("svg", "html", "dot")}
+    result = invoke("run", str(SAMPLES_DIR / "nan_where.py"), *[f"--{k}={p}" for k, p in paths.items()])
+    assert result.exit_code == 0
+    ElementTree.fromstring(paths["svg"].read_text())
+    assert "<html" in paths["html"].read_text().lower() and "SqrtBackward0" in paths["html"].read_text()
+    dot = paths["dot"].read_text()
+    assert dot.startswith("digraph gradtrace {") and dot.rstrip().endswith("}")
+
+
+def test_dot_has_one_box_per_node_and_an_edge_per_next_function():
+    result = sample_trace("nan_where")
+    dot = export_dot(result)
+    boxes = [line for line in dot.splitlines() if re.match(r"\s*n\d+ \[", line)]
+    edges = [line for line in dot.splitlines() if "->" in line]
+    assert len(boxes) == len(result.nodes)
+    assert len(edges) == sum(1 for n in result.nodes for c in n.next if c is not None)
+    nonfinite = {n.id for n in result.nonfinite_nodes()}
+    red = {int(line.split()[0][1:]) for line in boxes if "#e53935" in line}
+    assert red == nonfinite
+    assert dot == export_dot(result)

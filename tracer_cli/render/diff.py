@@ -1,0 +1,76 @@
+"""The terminal view of ``gradtrace diff``: the origin of the difference first, then the nodes that differ most."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ..records import GradStat, Node, Trace, decode_float
+from .tree import format_norm, short_name
+
+_SHOWN = 15
+
+
+def _where(node: Node) -> str:
+    if node.param is not None:
+        return node.param
+    return "outside any module" if node.module is None else (node.module or "<root>")
+
+
+def _norms(stats: tuple[GradStat | None, ...] | None) -> str:
+    return ", ".join("–" if s is None else format_norm(s.norm) for s in (stats or ())) or "–"
+
+
+def _values(kind: str, a: Node, b: Node) -> tuple[str, str]:
+    """What to show for each side of the origin: the values that differ there."""
+    if kind == "forward":
+        return (format_norm(a.forward.norm) if a.forward else "?", format_norm(b.forward.norm) if b.forward else "?")
+    if kind == "backward":
+        return _norms(a.grad_inputs), _norms(b.grad_inputs)
+    return f"{short_name(a.name)} in {_where(a)}", f"{short_name(b.name)} in {_where(b)}"
+
+
+def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[str, str]) -> RenderableType:
+    """The origin (node, module or parameter, kind, the two values) and a table of the most different nodes."""
+    parts: list[RenderableType] = []
+    first = comparison["first_divergent"]
+    if first is None:
+        parts.append(Text(f"the traces agree (rtol {comparison['rtol']:g})", style="green"))
+    else:
+        node_a = a.nodes[first["id"]] if first["id"] < len(a.nodes) else None
+        node_b = b.nodes[first["id"]] if first["id"] < len(b.nodes) else None
+        text = Text("first difference: ", style="bold red")
+        where = first["param"] or ("outside any module" if first["module"] is None else first["module"] or "<root>")
+        text.append(f"{first['kind']} at #{first['id']} {short_name(first['name'])} ({where})", style="bold red")
+        parts.append(text)
+        if node_a is not None and node_b is not None:
+            value_a, value_b = _values(first["kind"], node_a, node_b)
+            what = {"forward": "forward value ‖·‖", "backward": "grad_in ‖·‖", "structure": "node"}[first["kind"]]
+            parts.append(Text(f"  {what}: {labels[0]}: {value_a}   {labels[1]}: {value_b}"))
+    if comparison.get("note"):
+        parts.append(Text(comparison["note"], style="yellow"))
+    if comparison.get("unsynchronized_params") and first is None:
+        parts.append(Text("parameter gradients that differ: " + ", ".join(comparison["unsynchronized_params"][:8]), style="yellow"))
+    rows = []
+    for entry in comparison.get("nodes", ()):
+        spreads = {key: decode_float(entry.get(key)) for key in ("forward", "grad_outputs", "grad_inputs")}
+        largest = max((v for v in spreads.values() if v is not None), default=0.0)
+        if largest > comparison["rtol"]:
+            rows.append((largest, entry["id"], spreads))
+    if rows:
+        table = Table(title=f"nodes that differ most ({min(len(rows), _SHOWN)} of {len(rows)})", title_justify="left", box=None)
+        for column in ("node", "module / parameter", "forward", "grad_out", "grad_in"):
+            table.add_column(column, justify="left" if column in ("node", "module / parameter") else "right")
+        for _, node_id, spreads in sorted(rows, key=lambda row: -row[0])[:_SHOWN]:
+            node = a.nodes[node_id]
+            table.add_row(
+                f"#{node_id} {short_name(node.name)}",
+                _where(node),
+                *(format_norm(spreads[key]) if spreads[key] is not None else "–" for key in ("forward", "grad_outputs", "grad_inputs")),
+            )
+        parts.append(table)
+        parts.append(Text("columns: relative spread |a - b| / max(|a|, |b|) of the norms", style="dim"))
+    return Group(*parts)
