@@ -231,3 +231,20 @@ def test_sources_are_the_user_lines_that_created_each_node():
     assert t_proj.source == result.find("AddmmBackward0", module="proj")[0].source
     assert all(n.source is None for n in result.nodes if n.is_leaf)
     assert all(n.source is None for n in trace(module.build_model(), module.example_inputs(), sources=False).nodes)
+
+
+def test_a_100k_node_chain_is_traced_completely_and_freed_safely():
+    """Every node of a long chain is traced; releasing the graph must not recurse node by node (it crashed)."""
+
+    def chain(x):
+        for _ in range(100_000 - 2):
+            x = x * 1.000001
+        return x.sum()
+
+    result = trace(chain, torch.ones(4), sources=False)
+    assert len(result.nodes) == 100_000
+    assert all(n.order is not None for n in result.nodes)
+    assert sorted(n.order for n in result.nodes) == list(range(100_000))
+    x = torch.ones(4, requires_grad=True)
+    chain(x).backward()  # the plain run
+    assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(float(x.grad.norm()), rel=1e-6)

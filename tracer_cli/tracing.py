@@ -39,6 +39,7 @@ from .errors import InternalError, ModelError, UserCodeError
 from .loss import compute_loss
 from .records import Gradcheck, GradStat, InputInfo, Meta, Node, NodeCall, Replay, Trace
 
+_MISSING = object()
 REPLAY_RTOL = 1e-6  # a replayed backward within this relative difference counts as reproducible
 
 # One queued statistic: (shape, dtype, layout, index into the norm queue or None).
@@ -691,37 +692,43 @@ class _TraceSession:
                 made[id(pending)] = record
             return record
 
-        creation = sorted(
-            (old for old in keep if self.states[old].seq is not None),
-            key=lambda old: (self.states[old].in_backward, self.states[old].seq),
-        )
+        states = self.states
+        renumber = new_id.get if len(keep) != len(states) else None  # None: every node kept, ids unchanged
+        creation = sorted((old for old in keep if states[old].seq is not None), key=lambda old: (states[old].in_backward, states[old].seq))
         created = {old: rank for rank, old in enumerate(creation)}
+        sites: dict[Any, str | None] = {None: None}
         nodes = []
         for old in keep:
-            state = self.states[old]
-            calls = tuple(
-                NodeCall(order, tuple(map(stat, gi)), tuple(map(stat, go))) for order, gi, go in state.calls
-            )
-            first = calls[0] if calls else None
-            grad_inputs = first.grad_inputs if first else None
-            grad_outputs = first.grad_outputs if first else None
+            state = states[old]
+            calls = state.calls
+            if calls:
+                order, gi, go = calls[0]
+                grad_inputs, grad_outputs = tuple(map(stat, gi)), tuple(map(stat, go))
+            else:
+                order = grad_inputs = grad_outputs = None
             if old in totals:
                 grad_outputs = (stat(totals[old]),)
+            every_call = (
+                tuple(NodeCall(o, tuple(map(stat, i)), tuple(map(stat, g))) for o, i, g in calls) if len(calls) > 1 else ()
+            )
+            source = sites.get(state.source, _MISSING)
+            if source is _MISSING:
+                source = sites[state.source] = _format_site(state.source)
             nodes.append(
-                Node(
-                    id=new_id[old],
+                Node.build(
+                    id=renumber(old) if renumber else old,
                     name=state.name,
                     module=state.module,
                     param=state.param,
-                    order=first.order if first else None,
-                    next=tuple(None if n is None else new_id.get(n) for n in state.next),
+                    order=order,
+                    next=tuple(None if n is None else renumber(n) for n in state.next) if renumber else tuple(state.next),
                     grad_inputs=grad_inputs,
                     grad_outputs=grad_outputs,
                     created=created.get(old),
-                    created_in=None if state.created_in is None else new_id.get(state.created_in),
-                    calls=calls if len(calls) > 1 else (),
+                    created_in=None if state.created_in is None else (renumber(state.created_in) if renumber else state.created_in),
+                    calls=every_call,
                     forward=stat(state.forward),
-                    source=_format_site(state.source),
+                    source=source,
                     stack=None if state.stack is None else tuple(
                         f"{_format_site(frame[:2])} in {frame[2]}" for frame in state.stack
                     ),
@@ -768,15 +775,20 @@ class _TraceSession:
         self.running_custom.clear()
 
     def release(self) -> None:
+        """Drop every reference to the graph, the loss's node first.
+
+        Freed root first, each node's inputs are still held here, so every free is shallow; freed
+        from the leaves up, a 100k-node chain would be destroyed by one deep recursion (a crash).
+        """
+        self.forward_values.clear()  # these hold nodes in forward order: leaves first
+        self.custom_calls.clear()
         for state in self.states:
             state.node = None
             state.variable = None
             state.next = []
         self.index.clear()
         self.norms.clear()
-        self.forward_values.clear()
         self._seen.clear()
-        self.custom_calls.clear()
 
 
 def _replay_record(pending: tuple | None, norms: list[float | None]) -> Replay | None:
@@ -797,14 +809,19 @@ def _format_site(site: tuple[str, int] | None) -> str | None:
     """``path:line``, the path relative to the working folder when it lies inside it."""
     if site is None:
         return None
+    path, line = site
+    return f"{_display_path(path)}:{line}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _display_path(path: str) -> str:
     import os
 
-    path, line = site
     try:
         relative = os.path.relpath(path)
     except ValueError:  # another drive (Windows)
-        relative = path
-    return f"{path if relative.startswith('..') else relative}:{line}"
+        return path
+    return path if relative.startswith("..") else relative
 
 
 def _mixed_dtypes(tensors: list[Any], positions: list[int]) -> bool:
@@ -981,6 +998,7 @@ def trace(
             tensor.grad = grad
         for module, flag in training:
             module.training = flag
+        loss = None  # so that the session holds the last reference to the graph's root
         session.release()
         if gc_was_enabled:
             gc.enable()
