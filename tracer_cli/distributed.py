@@ -82,27 +82,45 @@ class ProcessGroup:
         return device
 
     def gather(self, value: Any) -> list[Any] | None:
-        """Every rank's ``value`` on rank 0 (None elsewhere).
+        """Every rank's JSON-able ``value`` on rank 0 (None elsewhere).
+
+        Sent as UTF-8 JSON in byte tensors: ``gather_object`` would need NumPy, which a
+        torch install does not guarantee, and JSON cannot run code when read.
 
         Raises:
-            ModelError: another rank went away (it failed, or was stopped).
+            PeerLostError: another rank went away (it failed, or was stopped).
         """
+        import json
+
+        import torch
         import torch.distributed as dist
 
-        gathered = [None] * self.info.world_size if self.info.rank == 0 else None
+        payload = json.dumps(value, allow_nan=False).encode()
+        world = self.info.world_size
         try:
-            dist.gather_object(value, gathered, dst=0, group=self.group)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self.group)
+            longest = max(int(size) for size in sizes)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            if payload:
+                padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if self.info.rank != 0:
+                dist.gather(padded, dst=0, group=self.group)
+                return None
+            buffers = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+            dist.gather(padded, buffers, dst=0, group=self.group)
         except RuntimeError as exc:
-            raise ModelError(f"lost contact with the other ranks: {exc}", hint="look for the error of another rank") from exc
-        return gathered
+            raise PeerLostError(f"lost contact with the other ranks: {exc}", hint="look for the error of another rank") from exc
+        return [json.loads(_tensor_bytes(buffer, int(size))) for buffer, size in zip(buffers, sizes)]
 
-    def broadcast(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank."""
+    def broadcast(self, value: int) -> int:
+        """Rank 0's integer ``value`` on every rank."""
+        import torch
         import torch.distributed as dist
 
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(box, src=0, group=self.group)
+        return int(box.item())
 
     def close(self) -> None:
         """A barrier, then destroy what gradtrace created (gloo sometimes aborts at exit without the barrier)."""
@@ -114,12 +132,25 @@ class ProcessGroup:
         dist.destroy_process_group(None if self.owned else self.group)  # None: the default group and all others
 
 
+def _tensor_bytes(tensor: Any, size: int) -> bytes:
+    """The first ``size`` bytes of a contiguous CPU uint8 tensor (without NumPy)."""
+    import ctypes
+
+    return ctypes.string_at(tensor.data_ptr(), size) if size else b""
+
+
+class PeerLostError(ModelError):
+    """Another rank went away while this one waited for it in gradtrace's own messages."""
+
+
 def _describe_exit(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
 def lost_peer(error: BaseException) -> bool:
     """Whether an error is the echo of another rank's failure (its connection went away)."""
+    if isinstance(error, PeerLostError):
+        return True
     text = f"{error} {getattr(error, '__cause__', '') or ''}"
     return any(sign in text for sign in _PEER_LOST)
 
@@ -127,7 +158,6 @@ def lost_peer(error: BaseException) -> bool:
 _PEER_LOST = (
     "Connection closed by peer",
     "Connection reset by peer",
-    "lost contact with the other ranks",
     "NCCL communicator was aborted",
     "Broken pipe",
 )
