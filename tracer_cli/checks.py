@@ -355,12 +355,6 @@ def merge_rank_findings(per_rank: Sequence[Sequence[Finding]]) -> list[Finding]:
     ]
 
 
-def failing(findings: list[Finding], fail_on: Iterable[str]) -> list[Finding]:
-    """The findings whose kind is in ``fail_on``."""
-    fail_on = set(fail_on)
-    return [finding for finding in findings if finding.kind in fail_on]
-
-
 @dataclass(frozen=True)
 class TargetReport:
     """The verdict on one target: the checks run, every finding, and which of them fail.
