@@ -42,8 +42,9 @@ from .records import Gradcheck, GradStat, InputInfo, Meta, Node, NodeCall, Repla
 _MISSING = object()
 REPLAY_RTOL = 1e-6  # a replayed backward within this relative difference counts as reproducible
 
-# One queued statistic: (shape, dtype, layout, index into the norm queue or None).
-_PendingStat = tuple
+# One queued statistic: [shape, dtype, layout, index into the norm queue or None, the GradStat once built].
+# Shared by every node that saw the same gradient tensor, so the record is built once too.
+_PendingStat = list
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -473,7 +474,7 @@ class _TraceSession:
             return None
         self.norms.append(torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms])))
         first = stats[0]
-        return ((sum(math.prod(st[0]) for st in stats),), first[1], first[2], len(self.norms) - 1)
+        return [(sum(math.prod(st[0]) for st in stats),), first[1], first[2], len(self.norms) - 1, None]
 
     def discover_in_backward(self, output: Any) -> None:
         try:
@@ -607,7 +608,7 @@ class _TraceSession:
             position = len(self.norms) - 1
         except Exception:  # an exotic tensor subclass: keep shape and dtype without a norm
             position = None
-        return (grad.shape, dtype_name, layout, position)
+        return [grad.shape, dtype_name, layout, position, None]
 
     # --- result ------------------------------------------------------------------
     def _read_norms(self) -> list[float | None]:
@@ -656,12 +657,14 @@ class _TraceSession:
         """Read the statistics (and the loss value) back in one transfer and build the frozen Trace."""
         if self.errors:
             raise InternalError("a gradtrace hook failed during backward:\n" + self.errors[0])
+        module_at, site_at = self.tracker.module_at, None if self.sites is None else self.sites.site_at
+        stacks = self.sites is not None and self.sites.stacks
         for state in self.states:  # creators come before what they create
             if state.seq is not None and not state.in_backward:
-                state.module = self.tracker.module_at(state.seq)
-                if self.sites is not None:
-                    site = self.sites.site_at(state.seq)
-                    if site is not None and self.sites.stacks:
+                state.module = module_at(state.seq)
+                if site_at is not None:
+                    site = site_at(state.seq)
+                    if site is not None and stacks:
                         state.stack = site
                         site = site[0][:2]
                     state.source = site
@@ -680,16 +683,13 @@ class _TraceSession:
         norms = self._read_norms()
         meta = replace(meta, loss=norms.pop())
 
-        made: dict[int, GradStat] = {}  # pending statistics are shared between nodes: so are the records
-
         def stat(pending: _PendingStat | None) -> GradStat | None:
             if pending is None:
                 return None
-            record = made.get(id(pending))
+            record = pending[4]
             if record is None:
-                shape, dtype, layout, position = pending
-                record = GradStat(tuple(shape), dtype, None if position is None else norms[position], layout)
-                made[id(pending)] = record
+                shape, dtype, layout, position, _ = pending
+                record = pending[4] = GradStat(tuple(shape), dtype, None if position is None else norms[position], layout)
             return record
 
         states = self.states
