@@ -126,9 +126,9 @@ def _guarded(debug: bool, body: Callable[[], int]) -> None:
 class _Status:
     """A transient spinner on stderr, only when stderr is a terminal."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self) -> None:
         console = _stderr_console()
-        self._status = console.status("") if enabled and console.is_terminal else None
+        self._status = console.status("") if console.is_terminal else None
         if self._status is not None:
             self._status.start()
 

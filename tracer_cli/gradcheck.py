@@ -14,18 +14,11 @@ import contextlib
 from typing import Any, Iterator
 
 from .records import Gradcheck
+from .tracing import _tensors_in
 
 # Functions of PyTorch's own machinery: their "backward" is autograd itself, nothing to check.
 SKIPPED = frozenset({"CheckpointFunction"})
 _EPS = 1e-6
-
-
-def _tensors(value: Any, tensor_type: type) -> list[Any]:
-    if isinstance(value, tensor_type):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item, tensor_type)]
-    return []
 
 
 @contextlib.contextmanager
@@ -51,7 +44,7 @@ def recording_calls(calls: dict[int, tuple] | None, keep_args: bool, sites: Any 
             sites.sites += (sites.user_site(), None)
         if calls is None:
             return output
-        for tensor in _tensors(output, torch.Tensor):
+        for tensor in _tensors_in(output, torch.Tensor):
             if tensor.grad_fn is not None:
                 mask = tuple(isinstance(a, torch.Tensor) for a in args)
                 kept = (args, kwargs) if keep_args else (None, None)
@@ -110,7 +103,7 @@ def _directional_mismatch(function: Any, inputs: list[Any]) -> float:
 
     differentiable = [x for x in inputs if x.requires_grad]
     directions = [torch.randn_like(x) for x in differentiable]
-    produced = _tensors(function(*inputs), torch.Tensor)
+    produced = _tensors_in(function(*inputs), torch.Tensor)
     keep = [o.requires_grad for o in produced]
     outputs = [o for o, kept in zip(produced, keep) if kept]
     weights = [torch.randn_like(o) for o in outputs]
@@ -124,8 +117,8 @@ def _directional_mismatch(function: Any, inputs: list[Any]) -> float:
         return moved
 
     with torch.no_grad():
-        plus = [p for p, kept in zip(_tensors(function(*shifted(1.0)), torch.Tensor), keep) if kept]
-        minus = [m for m, kept in zip(_tensors(function(*shifted(-1.0)), torch.Tensor), keep) if kept]
+        plus = [p for p, kept in zip(_tensors_in(function(*shifted(1.0)), torch.Tensor), keep) if kept]
+        minus = [m for m, kept in zip(_tensors_in(function(*shifted(-1.0)), torch.Tensor), keep) if kept]
     numerical = sum(float((w * (p - m)).sum()) for w, p, m in zip(weights, plus, minus)) / (2 * _EPS)
     scale = max(abs(analytical), abs(numerical), 1e-12)
     return abs(analytical - numerical) / scale

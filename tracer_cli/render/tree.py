@@ -9,7 +9,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -416,19 +416,15 @@ def render_summary(trace: Trace) -> Table:
     if summary["param_grad_norm_total"] is not None:
         table.add_row("params ‖grad‖", format_norm(float(summary["param_grad_norm_total"])))
     checked = [n for n in trace.nodes if n.gradcheck is not None and n.gradcheck.passed is not None]
-    if checked:
-        failed = [n for n in checked if not n.gradcheck.passed]
-        text = Text(f"{len(checked)} custom Functions checked, {len(failed)} failed", style=_NONFINITE if failed else "green")
-        for node in failed[:5]:
-            text.append(f"; #{node.id} {short_name(node.name)} (mismatch {format_norm(node.gradcheck.mismatch)})", style=_NONFINITE)
-        table.add_row("gradcheck", text)
+    _add_check_row(
+        table, "gradcheck", checked, [n for n in checked if not n.gradcheck.passed],
+        "custom Functions checked", "failed", lambda n: f"(mismatch {format_norm(n.gradcheck.mismatch)})",
+    )
     replayed = [n for n in trace.nodes if n.replay is not None and n.replay.reproducible is not None]
-    if replayed:
-        differ = [n for n in replayed if not n.replay.reproducible]
-        text = Text(f"{len(replayed)} nodes replayed, {len(differ)} not reproducible", style=_NONFINITE if differ else "green")
-        for node in differ[:5]:
-            text.append(f"; #{node.id} {short_name(node.name)} {_where(node)}", style=_NONFINITE)
-        table.add_row("replay", text)
+    _add_check_row(
+        table, "replay", replayed, [n for n in replayed if not n.replay.reproducible],
+        "nodes replayed", "not reproducible", _where,
+    )
     if trace.params_without_grad:
         names = list(trace.params_without_grad)
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
@@ -440,6 +436,18 @@ def render_summary(trace: Trace) -> Table:
             f"forward {t.get('forward', 0):.3f} s · backward {t.get('backward', 0):.3f} s · total {t.get('total', 0):.3f} s",
         )
     return table
+
+
+def _add_check_row(
+    table: Table, title: str, ran: list[Node], failed: list[Node], ran_text: str, failed_text: str, detail: Any
+) -> None:
+    """A summary row for --gradcheck or --replay: how many ran, how many failed, the first failures."""
+    if not ran:
+        return
+    text = Text(f"{len(ran)} {ran_text}, {len(failed)} {failed_text}", style=_NONFINITE if failed else "green")
+    for node in failed[:5]:
+        text.append(f"; #{node.id} {short_name(node.name)} {detail(node)}", style=_NONFINITE)
+    table.add_row(title, text)
 
 
 def _where(node: Node) -> str:
