@@ -193,7 +193,11 @@ def test_replay_leaves_gradients_unchanged():
     x = torch.randn(3, 4)
     with_replay = trace(model, x, replay=True)
     without = trace(model, x)
-    assert [n.grad_outputs for n in with_replay.nodes] == [n.grad_outputs for n in without.nodes]
+    # with --replay every norm is taken at once; without, small gradients are normed in batches
+    # (the same sums in another order: float32 rounding apart)
+    for replayed, plain in zip(with_replay.nodes, without.nodes):
+        assert [(s.shape, s.dtype) for s in replayed.grad_outputs] == [(s.shape, s.dtype) for s in plain.grad_outputs]
+        assert [s.norm for s in replayed.grad_outputs] == pytest.approx([s.norm for s in plain.grad_outputs], rel=1e-6)
 
 
 # --gradcheck ----------------------------------------------------------------------------------

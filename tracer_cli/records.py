@@ -9,13 +9,17 @@ JSON layout (schema ``gradtrace/1``)::
 
 Non-finite norms are written as the strings "nan", "inf" and "-inf", so the
 document is strict JSON.
+
+The per-node records (:class:`Node`, :class:`GradStat`, :class:`NodeCall`) are named
+tuples: a trace can hold 100k nodes, and a named tuple is built several times faster
+than a frozen dataclass.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 SCHEMA = "gradtrace/1"
 
@@ -36,8 +40,7 @@ def decode_float(value: float | int | str | None) -> float | None:
     return float(value)
 
 
-@dataclass(frozen=True)
-class GradStat:
+class GradStat(NamedTuple):
     """Statistics of one tensor: a gradient, or a forward value.
 
     Attributes:
@@ -106,8 +109,7 @@ def _stats_from_list(data: list[dict[str, Any] | None] | None) -> GradStats | No
     return tuple(None if s is None else GradStat.from_dict(s) for s in data)
 
 
-@dataclass(frozen=True)
-class NodeCall:
+class NodeCall(NamedTuple):
     """One run of a node that ran more than once in one backward."""
 
     order: int
@@ -182,8 +184,7 @@ class Gradcheck:
         return cls(data.get("passed"), decode_float(data.get("mismatch")), data.get("error"))
 
 
-@dataclass(frozen=True)
-class Node:
+class Node(NamedTuple):
     """One autograd graph node and what its hook saw.
 
     ``grad_inputs`` are the gradients the node *sends on*, one per differentiable
@@ -234,14 +235,6 @@ class Node:
     stack: tuple[str, ...] | None = None
     replay: Replay | None = None
     gradcheck: Gradcheck | None = None
-
-    @classmethod
-    def build(cls, **fields: Any) -> Node:
-        """A Node from every field, without the dataclass ``__init__``, which sets frozen fields one at a
-        time (4 µs a node; a trace can hold 100k nodes). Every field must be given."""
-        node = object.__new__(cls)
-        node.__dict__.update(fields)
-        return node
 
     @property
     def runs(self) -> int:

@@ -8,9 +8,13 @@ How it works (see AUTOGRAD_FACTS.md for the measurements behind each choice):
   which a binary search over those boundaries finds. This also places nodes made
   inside an op (``TBackward0`` of ``F.linear``) and custom Function nodes.
 * Hooks. After forward, the graph is walked from the loss and a post-hook is put
-  on every node. Hooks record shapes and dtypes, and queue each gradient's norm
-  as a tensor on the gradient's device; all norms are read back in one transfer
-  at the end, so there is no host sync per node.
+  on every node. A hook only logs what the node received and sent. A large
+  gradient's norm is queued at once (a BLAS dot product on the gradient's
+  device), and the gradient is not kept; small gradients wait, and their norms
+  are taken in batches, one stack and one norm per shape and dtype, before a
+  custom Function's backward runs (Python that might change them in place) and
+  at the end. All values are read back in one transfer per device at the end,
+  so there is no host sync per node.
 * Nodes created during backward. Only Python code can create nodes while backward
   runs: a custom Function's backward (reentrant checkpointing recomputes its
   forward there). While such a node runs, a TorchFunctionMode hooks the nodes its
@@ -25,6 +29,7 @@ import bisect
 import contextlib
 import functools
 import gc
+import itertools
 import math
 import sys
 import threading
@@ -41,11 +46,6 @@ from .records import Gradcheck, GradStat, InputInfo, Meta, Node, NodeCall, Repla
 
 _MISSING = object()
 REPLAY_RTOL = 1e-6  # a replayed backward within this relative difference counts as reproducible
-
-# One queued statistic: [shape, dtype, layout, index into the norm queue or None, the GradStat once built].
-# Shared by every node that saw the same gradient tensor, so the record is built once too.
-_PendingStat = list
-
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
@@ -206,11 +206,6 @@ class _ModuleTracker:
         self._mark()
         self._record_thread = None
 
-    def module_at(self, seq: int) -> str | None:
-        """The innermost module that was active when sequence number ``seq`` was assigned."""
-        position = bisect.bisect_right(self.bound_seqs, seq) - 1
-        return self.bound_modules[position] if position >= 0 else None
-
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -222,31 +217,6 @@ def _is_descendant(path: str, ancestor: str) -> bool:
     if ancestor == "":
         return path != ""
     return path.startswith(ancestor + ".")
-
-
-class _NodeState:
-    __slots__ = (
-        "node", "name", "seq", "module", "param", "next", "calls", "in_backward", "created_in", "variable", "forward",
-        "source", "stack", "replay", "gradcheck",
-    )
-
-    def __init__(self, node: Any, in_backward: bool, is_leaf: bool):
-        self.node = node
-        self.name = node.name()
-        self.variable = node.variable if is_leaf else None
-        # AccumulateGrad's sequence number is 2**64-1: leaves have no creation order.
-        self.seq = None if is_leaf else node._sequence_nr()
-        self.module: str | None = None
-        self.param: str | None = None
-        self.next: list[int | None] = []  # ids of next_functions
-        self.calls: list[tuple[int, tuple, tuple]] = []
-        self.in_backward = in_backward
-        self.created_in: int | None = None
-        self.forward: _PendingStat | None = None
-        self.source: tuple[str, int] | None = None
-        self.stack: tuple | None = None
-        self.replay: tuple | None = None
-        self.gradcheck: Gradcheck | None = None
 
 
 def _discovery_mode_class() -> type:
@@ -295,8 +265,8 @@ class _SiteRecorder:
     def __init__(self, stacks: bool = False) -> None:
         import torch
 
-        self._next_sequence_nr = torch._C._autograd._get_sequence_nr
-        self._skip = _library_prefixes()
+        self.next_sequence_nr = torch._C._autograd._get_sequence_nr
+        self.skip = _library_prefixes()
         self.stacks = stacks
         self._sorted = False
         self.starts: list[int] = []
@@ -306,7 +276,7 @@ class _SiteRecorder:
         """The innermost user frame as ``(path, line)``; with ``stacks``, every user frame (innermost first)
         as ``((path, line, function), ...)``, up to the call of ``trace()``."""
         frame = sys._getframe(depth)
-        skip = self._skip
+        skip = self.skip
         while frame is not None and frame.f_code.co_filename.startswith(skip):
             frame = frame.f_back
         if frame is None:
@@ -321,14 +291,15 @@ class _SiteRecorder:
             frame = frame.f_back
         return tuple(stack)
 
-    def site_at(self, seq: int) -> Any:
-        if not self._sorted:  # a Function applied inside an op is recorded before that op
+    def table(self) -> tuple[list[int], list[Any]]:
+        """The interval starts, sorted, and the site of each (a Function applied inside an op is recorded
+        before that op, so the order needs restoring; ties keep their order)."""
+        if not self._sorted:
             order = sorted(range(len(self.starts)), key=self.starts.__getitem__)
             self.starts = [self.starts[i] for i in order]
             self.sites = [self.sites[i] for i in order]
             self._sorted = True
-        position = bisect.bisect_right(self.starts, seq) - 1
-        return self.sites[position] if position >= 0 else None
+        return self.starts, self.sites
 
 
 def _forward_mode_class() -> type:
@@ -344,18 +315,27 @@ def _forward_mode_class() -> type:
             self.sites = sites
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
+            if kwargs is None:
+                kwargs = {}
             if is_compiling():  # torch.compile traces modes: stay out of its way (its region is one node)
-                return func(*args, **(kwargs or {}))
+                return func(*args, **kwargs)
             sites = self.sites
             if sites is None:
-                output = func(*args, **(kwargs or {}))
+                output = func(*args, **kwargs)
             else:
-                first = sites._next_sequence_nr()
-                output = func(*args, **(kwargs or {}))
-                after = sites._next_sequence_nr()
-                if after != first:  # the op made nodes: they were made here
+                first = sites.next_sequence_nr()
+                output = func(*args, **kwargs)
+                after = sites.next_sequence_nr()
+                if after != first:  # the op made nodes: they were made here (inlined user_site(), per op)
+                    if sites.stacks:
+                        site = sites.user_site()
+                    else:
+                        frame, skip = sys._getframe(1), sites.skip
+                        while frame is not None and frame.f_code.co_filename.startswith(skip):
+                            frame = frame.f_back
+                        site = None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
                     sites.starts += (first, after)
-                    sites.sites += (sites.user_site(), None)
+                    sites.sites += (site, None)
             if self.session.forward_stats:
                 self.session.record_forward(output)
             return output
@@ -363,8 +343,211 @@ def _forward_mode_class() -> type:
     return _ForwardMode
 
 
+# Gradients up to SMALL_NUMEL elements wait in their hook's record and get their norms in batches
+# (one stack and one norm per shape, dtype and device): a norm per tensor costs a dispatch (about
+# 2.5 µs), however small the tensor. At most PENDING_NUMEL elements or PENDING_CALLS hook calls wait.
+SMALL_NUMEL = 1 << 14
+PENDING_NUMEL = 1 << 22
+PENDING_CALLS = 1 << 15
+
+
+class _Stats:
+    """Statistics of tensors as numbered slots: shape, dtype and a norm computed on the tensor's device.
+
+    Norms (and any other value queued with :meth:`value`) stay on their devices until :meth:`read`,
+    which reads them back in one transfer per device. :meth:`now` takes one tensor's norm at once;
+    :meth:`batch` takes the norms of many small tensors with one op per shape, dtype and device.
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._strided = torch.strided
+        self._float32 = torch.float32
+        self._vector_norm = torch.linalg.vector_norm
+        self._wide = {torch.float64, torch.complex64, torch.complex128}  # normed in their own dtype
+        self._dot, self._dot_dtypes = torch.dot, {torch.float32, torch.float64}
+        self._squared: list[int] = []  # positions that hold a squared norm
+        self.shapes: list[Any] = []
+        self.dtypes: list[Any] = []
+        self.positions: list[int | None] = []  # where each slot's norm lies in the read-back values
+        self.layouts: dict[int, str] = {}  # slot -> layout, for the few that are not strided
+        self._chunks: list[tuple[Any, int]] = []  # (0-d or 1-d tensor of values, position of its first)
+        self._size = 0
+
+    def value(self, tensor: Any) -> int:
+        """Queue a 0-d or 1-d tensor's values for reading back; the position of the first."""
+        position = self._size
+        self._chunks.append((tensor, position))
+        self._size += 1 if tensor.dim() == 0 else tensor.shape[0]
+        return position
+
+    def _norm_tensor(self, tensor: Any) -> tuple[Any, bool]:
+        """``(value, squared)``: the norm of ``tensor`` as a 0-d tensor on its device, or its square (a BLAS
+        dot product, faster than a norm and more accurate on CPU); ``(None, False)`` for an exotic tensor."""
+        try:
+            if tensor.layout is self._strided:
+                if tensor.dtype in self._dot_dtypes and tensor.is_contiguous():
+                    flat = tensor.view(-1)
+                    return self._dot(flat, flat), True
+                values = tensor
+            else:  # an uncoalesced sparse tensor's values() repeat indices: coalesce for the right norm
+                values = tensor.coalesce().values() if tensor.is_sparse else tensor.values()
+            if tensor.dtype in self._wide:
+                return self._vector_norm(values), False
+            # float32 or wider, so bf16/fp16 gradients do not overflow the norm
+            return self._vector_norm(values, dtype=self._float32), False
+        except Exception:
+            return None, False
+
+    def _norm(self, tensor: Any) -> int | None:
+        norm, squared = self._norm_tensor(tensor)
+        if norm is None:
+            return None
+        position = self.value(norm)
+        if squared:
+            self._squared.append(position)
+        return position
+
+    def _new_slot(self, tensor: Any) -> int:
+        slot = len(self.shapes)
+        self.shapes.append(tensor.shape)
+        self.dtypes.append(tensor.dtype)
+        if tensor.layout is not self._strided:
+            self.layouts[slot] = str(tensor.layout).removeprefix("torch.")
+        return slot
+
+    def now(self, tensor: Any) -> int:
+        """A new slot for ``tensor``, its norm queued at once."""
+        slot = self._new_slot(tensor)
+        self.positions.append(self._norm(tensor))
+        return slot
+
+    def batch(self, tensors: Iterable[Any]) -> dict[int, int]:
+        """A slot for each distinct tensor (by object), norms taken one op per shape, dtype and device.
+
+        Returns ``id(tensor) -> slot``. The tensors must stay alive meanwhile, so ids are unique.
+        """
+        torch, strided = self._torch, self._strided
+        slots: dict[int, int] = {}
+        # contiguous tensors apart: one strided member (an expanded gradient) makes a whole stack slow
+        groups: dict[tuple, tuple[list[Any], list[int]]] = {}
+        shapes, dtypes, positions = self.shapes, self.dtypes, self.positions
+        slot = len(shapes)
+        for tensor in tensors:
+            key = id(tensor)
+            if key in slots:
+                continue
+            slots[key] = slot
+            shape, dtype = tensor.shape, tensor.dtype
+            shapes.append(shape)
+            dtypes.append(dtype)
+            positions.append(None)
+            if tensor.layout is strided:
+                key = (shape, dtype, tensor.device, tensor.is_contiguous())
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = ([], [])
+                group[0].append(tensor)
+                group[1].append(slot)
+            else:
+                self.layouts[slot] = str(tensor.layout).removeprefix("torch.")
+                positions[slot] = self._norm(tensor)
+            slot += 1
+        for (shape, dtype, _, _), (members, member_slots) in groups.items():
+            try:
+                if len(members) == 1:
+                    positions[member_slots[0]] = self._norm(members[0])
+                    continue
+                stacked = torch.stack(members).reshape(len(members), math.prod(shape))
+                if dtype in self._wide:
+                    norms = self._vector_norm(stacked, dim=1)
+                else:
+                    norms = self._vector_norm(stacked, dim=1, dtype=self._float32)
+                first = self.value(norms)
+                for offset, slot in enumerate(member_slots):
+                    positions[slot] = first + offset
+            except Exception:  # tensor subclasses that refuse to stack: one by one
+                for tensor, slot in zip(members, member_slots):
+                    positions[slot] = self._norm(tensor)
+        return slots
+
+    def combined(self, tensors: list[Any]) -> int:
+        """One slot for several tensors (the outputs of one multi-output op): their joint norm."""
+        torch = self._torch
+        parts = [self._norm_tensor(tensor) for tensor in tensors]
+        slot = self._new_slot(tensors[0])
+        self.shapes[slot] = (sum(t.numel() for t in tensors),)
+        if any(norm is None for norm, _ in parts):
+            self.positions.append(None)
+        else:
+            squares = [norm.to(torch.float64) if squared else norm.to(torch.float64) ** 2 for norm, squared in parts]
+            self.positions.append(self.value(torch.stack(squares).sum()))
+            self._squared.append(self.positions[-1])
+        return slot
+
+    def read(self) -> list[float | None]:
+        """Every queued value as a float, in one transfer per device."""
+        torch = self._torch
+        values: list[float | None] = [None] * self._size
+        by_device: dict[Any, dict[tuple, list[tuple[Any, int]]]] = {}
+        for chunk in self._chunks:  # per device, 0-d values are stacked and 1-d ones joined, per dtype
+            tensor = chunk[0]
+            groups = by_device.setdefault(tensor.device, {})
+            groups.setdefault((tensor.dim() == 0, tensor.dtype), []).append(chunk)
+        for groups in by_device.values():
+            try:
+                flat = torch.cat(
+                    [
+                        (torch.stack if zero_d else torch.cat)([t for t, _ in group]).to(torch.float64)
+                        for (zero_d, _), group in groups.items()
+                    ]
+                ).tolist()
+            except Exception:  # tensor subclasses that refuse to stack: one by one
+                for group in groups.values():
+                    for tensor, start in group:
+                        try:
+                            chunk_values = tensor.reshape(-1).tolist()
+                        except Exception:
+                            continue
+                        values[start : start + len(chunk_values)] = chunk_values
+                continue
+            offset = 0
+            for (zero_d, _), group in groups.items():
+                for tensor, start in group:
+                    count = 1 if zero_d else tensor.shape[0]
+                    values[start : start + count] = flat[offset : offset + count]
+                    offset += count
+        for position in self._squared:
+            if values[position] is not None:
+                values[position] = math.sqrt(values[position])
+        return values
+
+    def records(self, values: list[float | None]) -> list[GradStat | None]:
+        """A GradStat per slot, plus ``None`` at the end (so slot -1 reads as "no gradient")."""
+        names: dict[Any, str] = {}
+        records: list[GradStat | None] = []
+        layouts = self.layouts
+        new = tuple.__new__
+        for slot, (shape, dtype, position) in enumerate(zip(self.shapes, self.dtypes, self.positions)):
+            name = names.get(dtype)
+            if name is None:
+                name = names[dtype] = _dtype_name(dtype)
+            norm = None if position is None else values[position]
+            records.append(new(GradStat, (tuple(shape), name, norm, layouts.get(slot) if layouts else None)))
+        records.append(None)
+        return records
+
+
 class _TraceSession:
-    """The mutable state of one trace; turned into a frozen Trace by :meth:`finish`."""
+    """The mutable state of one trace; turned into a frozen Trace by :meth:`finish`.
+
+    Nodes are numbered as discovery finds them (0 is the loss's ``grad_fn``); what is known of
+    each lies in lists indexed by that number. Hooks only log what they see: ``[node id, grad_inputs,
+    grad_outputs]`` in execution order, the gradients replaced by statistic slots as soon as their
+    norms are queued (at once for large tensors and leaves, in batches for small ones).
+    """
 
     def __init__(self, leaves: dict[int, _Leaf], input_names: dict[int, str], tracker: _ModuleTracker):
         import torch
@@ -372,82 +555,94 @@ class _TraceSession:
         self._torch = torch
         self._leaf_type = torch._C._functions.AccumulateGrad
         self._custom_type = torch.autograd.function.BackwardCFunction
-        self._grad_enabled = torch.is_grad_enabled
-        self._vector_norm = torch.linalg.vector_norm
-        self._strided, self._float32, self._float64 = torch.strided, torch.float32, torch.float64
-        self._dtype_names: dict[Any, str] = {}
-        # id(tensor) -> (weak reference, pending stat): the tensor a node sends on is usually the very
-        # object the next node receives, so each gradient's statistics are computed once
-        self._seen: dict[int, tuple[Any, int, _PendingStat]] = {}
+        self.stats = _Stats()
         self.leaves = leaves
         self.input_names = input_names
         self.tracker = tracker
-        self.states: list[_NodeState] = []
-        # id(node) -> node id; the states hold every node alive, so ids are not reused meanwhile
+        self.nodes: list[Any] = []
+        self.leaf_ids: list[int] = []  # the AccumulateGrad nodes
+        self.next: list[tuple[int | None, ...]] = []
+        # id(node) -> node id; self.nodes holds every node alive, so ids are not reused meanwhile
         self.index: dict[int, int] = {}
         self.handles: list[Any] = []
-        self.norms: list[Any] = []
-        self.order = 0
+        self.log: list[list[Any]] = []
+        self.pending: list[list[Any]] = []  # log entries whose small gradients wait for a batched norm
+        self.pending_numel = 0
+        self.converted = 0  # log entries whose gradients are slots by now
+        # id(tensor) -> (weak reference, version, slot): a large gradient a node sends on is usually the
+        # very object the next node receives, so its norm is taken once
+        self._seen: dict[int, tuple[Any, int, int]] = {}
         self.errors: list[str] = []
         self.running_custom: list[int] = []
         self.modes: list[Any] = []
         self._mode_class = _discovery_mode_class()
+        self.created_in: dict[int, int | None] = {}  # nodes made during backward -> the node running then
+        self.backward_modules: dict[int, str | None] = {}  # and the module active when they were made
         self.forward_stats = False
+        self.forward_slots: dict[int, int] = {}  # node id -> slot of the forward value its op produced
         self.sites: _SiteRecorder | None = None
         self.replay = False
         self._replaying = False
+        self.replays: dict[int, tuple] = {}
+        self.gradchecks: dict[int, Gradcheck] = {}
         # id(custom Function node) -> (node, class, args, kwargs, tensor mask), recorded in forward for
         # --gradcheck (the arguments) and --replay (which arguments were tensors)
         self.custom_calls: dict[int, tuple] = {}
-        # id(node) -> (node, pending stat of the forward value it produced); the node is kept so its id stays its own
-        self.forward_values: dict[int, tuple[Any, _PendingStat]] = {}
-        self.param_grads: list[tuple[str, _PendingStat]] = []
+        # id(grad_fn) -> (grad_fn, slot of the forward value it produced); the node is kept so its id stays its own
+        self.forward_values: dict[int, tuple[Any, int]] = {}
+        self.param_grads: list[tuple[str, int]] = []
 
     # --- discovery -------------------------------------------------------------
     def discover(self, roots: Iterable[Any], in_backward: bool = False) -> None:
-        """Hook every node reachable from ``roots`` that is not hooked yet."""
-        queue = deque()
+        """Number and hook every node reachable from ``roots`` that is not hooked yet."""
+        nodes, index, nexts = self.nodes, self.index, self.next
+        start = len(nodes)
         for root in roots:
-            if root is not None and id(root) not in self.index:
-                self._add(root, in_backward)
-                queue.append(root)
-        while queue:
-            node = queue.popleft()
-            state = self.states[self.index[id(node)]]
-            for next_node, _ in node.next_functions:
-                if next_node is None:
-                    state.next.append(None)
+            if root is not None and id(root) not in index:
+                index[id(root)] = len(nodes)
+                nodes.append(root)
+        position = start
+        while position < len(nodes):  # breadth first: the new nodes are the queue
+            children = []
+            for child, _ in nodes[position].next_functions:
+                if child is None:
+                    children.append(None)
                     continue
-                if id(next_node) not in self.index:
-                    self._add(next_node, in_backward)
-                    queue.append(next_node)
-                state.next.append(self.index[id(next_node)])
+                child_id = index.get(id(child))
+                if child_id is None:
+                    child_id = index[id(child)] = len(nodes)
+                    nodes.append(child)
+                children.append(child_id)
+            nexts.append(tuple(children))
+            position += 1
+        self._hook(start, in_backward)
 
-    def _add(self, node: Any, in_backward: bool) -> None:
-        node_id = len(self.states)
-        state = _NodeState(node, in_backward, isinstance(node, self._leaf_type))
-        self.index[id(node)] = node_id
-        self.states.append(state)
-        if in_backward:
-            state.created_in = self.running_custom[-1] if self.running_custom else None
-        if self.forward_stats:
-            if state.variable is not None:  # a leaf's forward value is the tensor itself
-                with self._torch.no_grad():
-                    state.forward = self._queue_stat(state.variable.detach())
+    def _hook(self, start: int, in_backward: bool) -> None:
+        leaf_type, custom_type, partial = self._leaf_type, self._custom_type, functools.partial
+        on_run = self._on_run_now if self.replay else self._on_run
+        handles = self.handles
+        for node_id in range(start, len(self.nodes)):
+            node = self.nodes[node_id]
+            if type(node) is leaf_type:
+                hook = self._on_run_now
+                self.leaf_ids.append(node_id)
+            elif isinstance(node, custom_type):
+                hook = self._on_custom_run
+                handles.append(node.register_prehook(partial(self._on_custom_start, node_id)))
             else:
-                recorded = self.forward_values.get(id(node))
-                state.forward = None if recorded is None else recorded[1]
-        if state.variable is not None:
-            leaf = self.leaves.get(id(state.variable))
-            if leaf is not None:
-                state.param, state.module = leaf.name, leaf.module
-            else:
-                state.param = self.input_names.get(id(state.variable))
-        elif in_backward:
-            state.module = self.tracker.current()
-        self.handles.append(node.register_hook(functools.partial(self._on_run, node_id)))
-        if isinstance(node, self._custom_type):
-            self.handles.append(node.register_prehook(functools.partial(self._on_custom_start, node_id)))
+                hook = on_run
+            handles.append(node.register_hook(partial(hook, node_id)))
+            if in_backward:
+                self.created_in[node_id] = self.running_custom[-1] if self.running_custom else None
+                self.backward_modules[node_id] = self.tracker.current()
+            if self.forward_stats:
+                if type(node) is leaf_type:  # a leaf's forward value is the tensor itself
+                    with self._torch.no_grad():
+                        self.forward_slots[node_id] = self.stats.now(node.variable.detach())
+                else:
+                    recorded = self.forward_values.get(id(node))
+                    if recorded is not None:
+                        self.forward_slots[node_id] = recorded[1]
 
     def record_forward(self, output: Any) -> None:
         """Queue the norm of an op's output tensors under the node that produced them."""
@@ -459,22 +654,11 @@ class _TraceSession:
                     grouped.setdefault(id(grad_fn), [grad_fn]).append(tensor)
             with self._torch.no_grad():
                 for key, (grad_fn, *tensors) in grouped.items():
-                    self.forward_values[key] = (grad_fn, self._queue_values(tensors))
+                    tensors = [t.detach() for t in tensors]
+                    slot = self.stats.now(tensors[0]) if len(tensors) == 1 else self.stats.combined(tensors)
+                    self.forward_values[key] = (grad_fn, slot)
         except Exception:  # never break the user's forward; report after it
             self.errors.append(traceback.format_exc())
-
-    def _queue_values(self, tensors: list[Any]) -> _PendingStat | None:
-        """One statistic for the outputs of one node (a multi-output op has several)."""
-        if len(tensors) == 1:
-            return self._queue_stat(tensors[0].detach())
-        stats = [self._queue_stat(t.detach()) for t in tensors]
-        torch = self._torch
-        norms = [self.norms[stat[3]] for stat in stats if stat is not None and stat[3] is not None]
-        if len(norms) != len(stats):
-            return None
-        self.norms.append(torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms])))
-        first = stats[0]
-        return [(sum(math.prod(st[0]) for st in stats),), first[1], first[2], len(self.norms) - 1, None]
 
     def discover_in_backward(self, output: Any) -> None:
         try:
@@ -485,8 +669,34 @@ class _TraceSession:
             self.errors.append(traceback.format_exc())
 
     # --- hooks -------------------------------------------------------------------
-    def _on_custom_start(self, node_id: int, grad_outputs: Any) -> None:
+    def _on_run(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        """An ordinary node ran: log it; small gradients wait (held) for a batched norm."""
+        if self._replaying:  # a replayed backward that runs graph nodes of its own: not part of the trace
+            return None
         try:
+            entry = [node_id, grad_inputs, grad_outputs]
+            self.log.append(entry)
+            numel = 0
+            for grad in grad_inputs + grad_outputs:
+                if grad is not None:
+                    size = grad.numel()
+                    if size > SMALL_NUMEL:  # a large gradient is not kept: its norm is taken now
+                        self._stat_now(entry)
+                        return None
+                    numel += size
+            self.pending.append(entry)
+            self.pending_numel += numel
+            if self.pending_numel > PENDING_NUMEL or len(self.pending) > PENDING_CALLS:
+                self.flush()
+        except Exception:  # never break the user's backward; report after it
+            self.errors.append(traceback.format_exc())
+        return None
+
+    def _on_custom_start(self, node_id: int, grad_outputs: Any) -> None:
+        """A custom Function's backward is about to run: Python that may change gradients in place, or
+        make nodes. Norms still pending are taken first, and a mode hooks the nodes its ops make."""
+        try:
+            self.flush()
             mode = self._mode_class(self)
             mode.__enter__()
             self.modes.append(mode)
@@ -494,43 +704,77 @@ class _TraceSession:
         except Exception:  # never break the user's backward; report after it
             self.errors.append(traceback.format_exc())
 
-    def _end_custom(self, node_id: int) -> None:
-        if self.running_custom and self.running_custom[-1] == node_id:
-            self.running_custom.pop()
-            self.modes.pop().__exit__(None, None, None)
+    def _on_custom_run(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        try:
+            if self.running_custom and self.running_custom[-1] == node_id:
+                self.running_custom.pop()
+                self.modes.pop().__exit__(None, None, None)
+        except Exception:
+            self.errors.append(traceback.format_exc())
+        return (self._on_run_now if self.replay else self._on_run)(node_id, grad_inputs, grad_outputs)
 
-    def _on_run(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        if self._replaying:  # a replayed backward that runs graph nodes of its own: not part of the trace
+    def _on_run_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        """AccumulateGrad (its ``.grad`` may be this very tensor, accumulated into later), or any node with
+        ``--replay``: statistics now; with ``--replay``, the node is then run again from what it received."""
+        if self._replaying:
             return None
         try:
-            order = self.order
-            self.order = order + 1
-            if self.running_custom and self.running_custom[-1] == node_id:
-                self._end_custom(node_id)
-            stat = self._stat
-            if self._grad_enabled():  # backward(create_graph=True): keep statistics out of the graph
-                with self._torch.no_grad():
-                    record = (order, [stat(g) for g in grad_inputs], [stat(g) for g in grad_outputs])
-            else:
-                record = (order, [stat(g) for g in grad_inputs], [stat(g) for g in grad_outputs])
-            state = self.states[node_id]
-            state.calls.append(record)
-            if self.replay and state.replay is None:
-                state.replay = self._replay(state, grad_inputs, grad_outputs)
-        except Exception:  # never break the user's backward; report after it
+            entry = [node_id, grad_inputs, grad_outputs]
+            self.log.append(entry)
+            self._stat_now(entry)
+            if self.replay and node_id not in self.replays:
+                self.replays[node_id] = self._replay(node_id, grad_inputs, grad_outputs)
+        except Exception:
             self.errors.append(traceback.format_exc())
         return None
 
-    def _replay(self, state: _NodeState, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+    def _stat_now(self, entry: list[Any]) -> None:
+        """Replace an entry's gradients by slots whose norms are queued now."""
+        self.converted += 1
+        if self._torch.is_grad_enabled():  # backward(create_graph=True): keep statistics out of the graph
+            with self._torch.no_grad():
+                entry[1], entry[2] = tuple(map(self._slot_now, entry[1])), tuple(map(self._slot_now, entry[2]))
+        else:
+            entry[1], entry[2] = tuple(map(self._slot_now, entry[1])), tuple(map(self._slot_now, entry[2]))
+
+    def _slot_now(self, grad: Any) -> int:
+        """The slot of a gradient, its norm queued once per tensor object and version."""
+        if grad is None:
+            return -1
+        seen = self._seen.get(id(grad))
+        # the same object with the same version: the engine accumulates gradients in place
+        if seen is not None and seen[0]() is grad and seen[1] == grad._version:
+            return seen[2]
+        slot = self.stats.now(grad)
+        self._seen[id(grad)] = (weakref.ref(grad), grad._version, slot)
+        return slot
+
+    def flush(self, entries: list[list[Any]] | None = None) -> None:
+        """Take the norms of the pending entries' gradients in batches; the entries then hold slots."""
+        if entries is None:
+            entries, self.pending, self.pending_numel = self.pending, [], 0
+        if not entries:
+            return
+        with self._torch.no_grad():
+            slots = self.stats.batch(
+                grad for entry in entries for side in (entry[1], entry[2]) for grad in side if grad is not None
+            )
+        slot_of = slots.get
+        self.converted += len(entries)
+        for entry in entries:
+            entry[1] = tuple([-1 if grad is None else slot_of(id(grad)) for grad in entry[1]])
+            entry[2] = tuple([-1 if grad is None else slot_of(id(grad)) for grad in entry[2]])
+
+    def _replay(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
         """Run the node's backward again from the gradients it received; queue the largest difference.
 
-        Returns ``(difference position, scale position, note)``; positions index the norm queue.
+        Returns ``(difference position, scale position, note)``; positions index the read-back values.
         """
         torch = self._torch
-        node = state.node
-        if state.variable is not None:
+        node = self.nodes[node_id]
+        if type(node) is self._leaf_type:
             return (None, None, "AccumulateGrad writes .grad: not replayed")
-        if state.name == "CheckpointFunctionBackward":
+        if node.name() == "CheckpointFunctionBackward":
             return (None, None, "recomputes its forward and runs a backward of its own: not replayed")
         self._replaying = True
         try:
@@ -564,86 +808,22 @@ class _TraceSession:
                     scales.append(original.abs().max().to(torch.float64))
                 if not diffs:
                     return (None, None, "no gradient to compare")
-                self.norms.append(torch.stack(diffs).max())
-                self.norms.append(torch.stack(scales).max())
-                return (len(self.norms) - 2, len(self.norms) - 1, None)
+                return (self.stats.value(torch.stack(diffs).max()), self.stats.value(torch.stack(scales).max()), None)
         except Exception as exc:  # the node refused to run again: that is the finding
             return (None, None, f"could not run again: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         finally:
             self._replaying = False
 
-    def _stat(self, grad: Any) -> _PendingStat | None:
-        """The pending statistics of a gradient, computed once per tensor object."""
-        if grad is None:
-            return None
-        seen = self._seen.get(id(grad))
-        # the same object with the same version: the engine accumulates gradients in place
-        if seen is not None and seen[0]() is grad and seen[1] == grad._version:
-            return seen[2]
-        pending = self._queue_stat(grad)
-        self._seen[id(grad)] = (weakref.ref(grad), grad._version, pending)
-        return pending
-
-    def _queue_stat(self, grad: Any) -> _PendingStat | None:
-        """Record a tensor's shape and dtype; queue its norm as a device tensor (no host sync)."""
-        if grad is None:
-            return None
-        dtype = grad.dtype
-        dtype_name = self._dtype_names.get(dtype)
-        if dtype_name is None:
-            dtype_name = self._dtype_names[dtype] = _dtype_name(dtype)
-        layout = None
-        try:
-            if grad.layout is self._strided:
-                values = grad
-            else:
-                layout = str(grad.layout).removeprefix("torch.")
-                # an uncoalesced sparse tensor's values() repeat indices: coalesce for the right norm
-                values = grad.coalesce().values() if grad.is_sparse else grad.values()
-            if dtype is self._float64 or values.is_complex():
-                norm = self._vector_norm(values)
-            else:  # float32 or wider, so bf16/fp16 gradients do not overflow the norm
-                norm = self._vector_norm(values, dtype=self._float32)
-            self.norms.append(norm)
-            position = len(self.norms) - 1
-        except Exception:  # an exotic tensor subclass: keep shape and dtype without a norm
-            position = None
-        return [grad.shape, dtype_name, layout, position, None]
-
     # --- result ------------------------------------------------------------------
-    def _read_norms(self) -> list[float | None]:
-        """All queued norms as floats, in one transfer per device."""
-        torch = self._torch
-        values: list[float | None] = [None] * len(self.norms)
-        by_device: dict[Any, list[int]] = {}
-        for position, norm in enumerate(self.norms):
-            by_device.setdefault(norm.device, []).append(position)
-        for positions in by_device.values():
-            try:
-                same_dtype = [self.norms[p].to(torch.float64) for p in positions] if _mixed_dtypes(
-                    self.norms, positions
-                ) else [self.norms[p] for p in positions]
-                stacked = torch.stack(same_dtype).cpu().tolist()
-            except Exception:  # tensor subclasses that refuse to stack: one by one
-                stacked = []
-                for p in positions:
-                    try:
-                        stacked.append(float(self.norms[p]))
-                    except Exception:
-                        stacked.append(None)
-            for p, value in zip(positions, stacked):
-                values[p] = value
-        return values
-
     def run_gradchecks(self) -> None:
         """Check each custom Function node recorded in forward (after backward: no hook is left)."""
         from .gradcheck import check
 
-        for state in self.states:
-            call = self.custom_calls.get(id(state.node)) if state.node is not None else None
-            if call is not None and call[0] is state.node:
+        for node_id, node in enumerate(self.nodes):
+            call = self.custom_calls.get(id(node))
+            if call is not None and call[0] is node:
                 _, function_class, args, kwargs, _ = call
-                state.gradcheck = check(function_class, args, kwargs)
+                self.gradchecks[node_id] = check(function_class, args, kwargs)
         self.custom_calls.clear()
 
     def record_param_grads(self) -> None:
@@ -651,118 +831,161 @@ class _TraceSession:
         with self._torch.no_grad():
             for leaf in self.leaves.values():
                 if leaf.tensor.grad is not None:
-                    self.param_grads.append((leaf.name, self._queue_stat(leaf.tensor.grad)))
+                    self.param_grads.append((leaf.name, self.stats.now(leaf.tensor.grad)))
 
     def finish(self, meta: Meta, loss: Any) -> Trace:
-        """Read the statistics (and the loss value) back in one transfer and build the frozen Trace."""
+        """Read the statistics (and the loss value) back in one transfer and build the frozen Trace.
+
+        Built column by column (a list per Node field), so that a 100k-node trace costs little
+        Python per node.
+        """
         if self.errors:
             raise InternalError("a gradtrace hook failed during backward:\n" + self.errors[0])
-        module_at, site_at = self.tracker.module_at, None if self.sites is None else self.sites.site_at
-        stacks = self.sites is not None and self.sites.stacks
-        for state in self.states:  # creators come before what they create
-            if state.seq is not None and not state.in_backward:
-                state.module = module_at(state.seq)
-                if site_at is not None:
-                    site = site_at(state.seq)
-                    if site is not None and stacks:
-                        state.stack = site
-                        site = site[0][:2]
-                    state.source = site
-            elif state.in_backward and state.seq is not None and state.module is None and state.created_in is not None:
-                # e.g. a checkpointed function's own ops: they belong where the checkpoint was called
-                state.module = self.states[state.created_in].module
-        totals = {}
-        for node_id, state in enumerate(self.states):
-            if len(state.calls) > 1 and state.variable is not None and state.variable.grad is not None:
-                with self._torch.no_grad():
-                    totals[node_id] = self._queue_stat(state.variable.grad)
-
-        keep = self._kept_ids()
-        new_id = {old: new for new, old in enumerate(keep)}
-        self.norms.append(loss.detach().reshape(()).to(self.norms[0].dtype if self.norms else loss.dtype))
-        norms = self._read_norms()
-        meta = replace(meta, loss=norms.pop())
-
-        def stat(pending: _PendingStat | None) -> GradStat | None:
-            if pending is None:
-                return None
-            record = pending[4]
-            if record is None:
-                shape, dtype, layout, position, _ = pending
-                record = pending[4] = GradStat(tuple(shape), dtype, None if position is None else norms[position], layout)
-            return record
-
-        states = self.states
-        renumber = new_id.get if len(keep) != len(states) else None  # None: every node kept, ids unchanged
-        creation = sorted((old for old in keep if states[old].seq is not None), key=lambda old: (states[old].in_backward, states[old].seq))
-        created = {old: rank for rank, old in enumerate(creation)}
-        sites: dict[Any, str | None] = {None: None}
-        nodes = []
-        for old in keep:
-            state = states[old]
-            calls = state.calls
-            if calls:
-                order, gi, go = calls[0]
-                grad_inputs, grad_outputs = tuple(map(stat, gi)), tuple(map(stat, go))
+        self.flush()
+        if self.converted != len(self.log):
+            # a hook on another device's thread logged while a flush ran: take what it left behind
+            self.flush([entry for entry in self.log if any(type(s) is not int for s in entry[1] + entry[2])])
+        nodes = self.nodes
+        first_call: list[list[Any] | None] = [None] * len(nodes)
+        calls: dict[int, list[list[Any]]] = {}  # nodes that ran more than once: every call
+        for order, entry in enumerate(self.log):
+            node_id = entry[0]
+            entry[0] = order
+            if first_call[node_id] is None:
+                first_call[node_id] = entry
             else:
-                order = grad_inputs = grad_outputs = None
-            if old in totals:
-                grad_outputs = (stat(totals[old]),)
-            every_call = (
-                tuple(NodeCall(o, tuple(map(stat, i)), tuple(map(stat, g))) for o, i, g in calls) if len(calls) > 1 else ()
-            )
-            source = sites.get(state.source, _MISSING)
-            if source is _MISSING:
-                source = sites[state.source] = _format_site(state.source)
-            nodes.append(
-                Node.build(
-                    id=renumber(old) if renumber else old,
-                    name=state.name,
-                    module=state.module,
-                    param=state.param,
-                    order=order,
-                    next=tuple(None if n is None else renumber(n) for n in state.next) if renumber else tuple(state.next),
-                    grad_inputs=grad_inputs,
-                    grad_outputs=grad_outputs,
-                    created=created.get(old),
-                    created_in=None if state.created_in is None else (renumber(state.created_in) if renumber else state.created_in),
-                    calls=every_call,
-                    forward=stat(state.forward),
-                    source=source,
-                    stack=None if state.stack is None else tuple(
-                        f"{_format_site(frame[:2])} in {frame[2]}" for frame in state.stack
-                    ),
-                    replay=_replay_record(state.replay, norms),
-                    gradcheck=state.gradcheck,
+                calls.setdefault(node_id, [first_call[node_id]]).append(entry)
+        totals = {}  # a leaf that ran more than once: its .grad holds the sum
+        with self._torch.no_grad():
+            for node_id in calls:
+                variable = getattr(nodes[node_id], "variable", None)
+                if variable is not None and variable.grad is not None:
+                    totals[node_id] = self.stats.now(variable.grad)
+        loss_position = self.stats.value(loss.detach().reshape(()))
+        values = self.stats.read()
+        meta = replace(meta, loss=values[loss_position])
+        stat = self.stats.records(values).__getitem__  # slot -1 is None
+
+        keep = self._kept_ids(first_call)
+        every = len(keep) == len(nodes)
+        kept = nodes if every else [nodes[old] for old in keep]
+        position_of = {old: new for new, old in enumerate(keep)}  # old node id -> new
+        at = position_of.__getitem__
+
+        def column(values: dict[int, Any]) -> Any:  # a field that is None for most nodes
+            return _column(len(kept), {at(old): v for old, v in values.items() if old in position_of})
+
+        leaves = {at(old) for old in self.leaf_ids if old in position_of}
+        backward = {at(old): creator for old, creator in self.created_in.items() if old in position_of}
+        # per field, the value for each kept node
+        seqs = [node._sequence_nr() for node in kept]  # a leaf's is 2**64-1
+        modules = _intervals_at(self.tracker.bound_seqs, self.tracker.bound_modules, seqs)
+        sources: list[str | None] = [None] * len(kept)
+        stacks: list[tuple[str, ...] | None] = [None] * len(kept)
+        if self.sites is not None:
+            sites = _intervals_at(*self.sites.table(), seqs)
+            if self.sites.stacks:
+                stacks = [None if s is None else tuple(f"{_format_site(f[:2])} in {f[2]}" for f in s) for s in sites]
+                sites = [None if s is None else s[0][:2] for s in sites]
+            formatted = {site: _format_site(site) for site in set(sites)}
+            sources = list(map(formatted.__getitem__, sites))
+        params: list[str | None] = [None] * len(kept)
+        for position in leaves:
+            variable = kept[position].variable
+            leaf = self.leaves.get(id(variable))
+            params[position], modules[position] = (leaf.name, leaf.module) if leaf else (self.input_names.get(id(variable)), None)
+            sources[position] = stacks[position] = None
+        for position in sorted(backward):  # creators come before what they create
+            if position in leaves:
+                continue
+            creator = backward[position]
+            module = self.backward_modules.get(keep[position])
+            if module is None and creator is not None:
+                # e.g. a checkpointed function's own ops: they belong where the checkpoint was called
+                module = modules[at(creator)]
+            modules[position], sources[position], stacks[position] = module, None, None
+        created: list[int | None] = [None] * len(kept)
+        made = [p for p in range(len(kept)) if p not in leaves]
+        creation = sorted((p for p in made if p not in backward), key=seqs.__getitem__)
+        creation += sorted((p for p in made if p in backward), key=seqs.__getitem__)  # threads number apart
+        for rank, position in enumerate(creation):
+            created[position] = rank
+        orders: list[int | None] = []
+        grad_inputs: list[Any] = []
+        grad_outputs: list[Any] = []
+        for old in keep:
+            entry = first_call[old]
+            if entry is None:
+                orders.append(None)
+                grad_inputs.append(None)
+                grad_outputs.append(None)
+            else:
+                orders.append(entry[0])
+                grad_inputs.append(tuple(map(stat, entry[1])))
+                grad_outputs.append(tuple(map(stat, entry[2])))
+        every_call: list[tuple] = [()] * len(kept)
+        for old, node_calls in calls.items():
+            if old in position_of:
+                every_call[at(old)] = tuple(
+                    NodeCall(o, tuple(map(stat, i)), tuple(map(stat, g))) for o, i, g in node_calls
                 )
+                if old in totals:
+                    grad_outputs[at(old)] = (stat(totals[old]),)
+        created_in = column({old: None if creator is None else at(creator) for old, creator in self.created_in.items()})
+        nexts = self.next if every else [tuple(None if n is None else at(n) for n in self.next[old]) for old in keep]
+        forwards = column({old: stat(slot) for old, slot in self.forward_slots.items()})
+        replays = column({old: _replay_record(record, values) for old, record in self.replays.items()})
+        gradchecks = column(self.gradchecks)
+        built = tuple(
+            map(
+                functools.partial(tuple.__new__, Node),
+                zip(
+                    range(len(kept)),
+                    [node.name() for node in kept],
+                    modules,
+                    params,
+                    orders,
+                    nexts,
+                    grad_inputs,
+                    grad_outputs,
+                    created,
+                    created_in,
+                    every_call,
+                    forwards,
+                    sources,
+                    stacks,
+                    replays,
+                    gradchecks,
+                ),
             )
-        with_grad = {
-            self.states[old].param for old in keep if self.states[old].calls and self.states[old].param is not None
-        }
+        )
+        with_grad = {params[p] for p in leaves if orders[p] is not None}
         missing = tuple(
             leaf.name for leaf in self.leaves.values() if leaf.tensor.requires_grad and leaf.name not in with_grad
         )
-        param_grads = tuple(sorted((name, stat(pending)) for name, pending in self.param_grads))
-        return Trace(meta=meta, nodes=tuple(nodes), params_without_grad=missing, param_grads=param_grads)
+        param_grads = tuple(sorted((name, stat(slot)) for name, slot in self.param_grads))
+        return Trace(meta=meta, nodes=built, params_without_grad=missing, param_grads=param_grads)
 
-    def _kept_ids(self) -> list[int]:
+    def _kept_ids(self, first_call: list[Any]) -> list[int]:
         """Forward nodes, plus backward-created nodes that ran or are reachable from one that ran.
 
         A non-reentrant checkpoint's recompute builds a throwaway graph that never
         runs; it is left out.
         """
-        keep = {i for i, s in enumerate(self.states) if not s.in_backward}
-        queue = deque(i for i, s in enumerate(self.states) if s.in_backward and s.calls)
+        if not self.created_in:
+            return list(range(len(self.nodes)))
+        keep = {i for i in range(len(self.nodes)) if i not in self.created_in}
+        queue = deque(i for i in self.created_in if first_call[i] is not None)
         while queue:
             node_id = queue.popleft()
             if node_id in keep:
                 continue
             keep.add(node_id)
-            queue.extend(n for n in self.states[node_id].next if n is not None)
+            queue.extend(n for n in self.next[node_id] if n is not None)
         return sorted(keep)
 
     def close(self) -> None:
-        """Remove every hook and leave no mode behind; drop references to the graph."""
+        """Remove every hook and leave no mode behind."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
@@ -775,20 +998,38 @@ class _TraceSession:
         self.running_custom.clear()
 
     def release(self) -> None:
-        """Drop every reference to the graph, the loss's node first.
+        """Drop every reference to the graph and the gradients, the loss's node first.
 
         Freed root first, each node's inputs are still held here, so every free is shallow; freed
         from the leaves up, a 100k-node chain would be destroyed by one deep recursion (a crash).
         """
         self.forward_values.clear()  # these hold nodes in forward order: leaves first
         self.custom_calls.clear()
-        for state in self.states:
-            state.node = None
-            state.variable = None
-            state.next = []
+        self.log.clear()
+        self.pending.clear()
+        nodes = self.nodes
+        for position in range(len(nodes)):
+            nodes[position] = None
+        nodes.clear()
         self.index.clear()
-        self.norms.clear()
         self._seen.clear()
+
+
+def _intervals_at(starts: list[int], values: list[Any], seqs: list[int]) -> list[Any]:
+    """For each sequence number, the value of the last interval starting at or before it (None before
+    the first). ``starts`` must be sorted."""
+    shifted = [None, *values]
+    return list(map(shifted.__getitem__, map(functools.partial(bisect.bisect_right, starts), seqs)))
+
+
+def _column(length: int, values: dict[int, Any]) -> Any:
+    """A field's values for every node: ``None`` but where ``values`` says otherwise."""
+    if not values:
+        return itertools.repeat(None, length)
+    column = [None] * length
+    for position, value in values.items():
+        column[position] = value
+    return column
 
 
 def _replay_record(pending: tuple | None, norms: list[float | None]) -> Replay | None:
@@ -822,11 +1063,6 @@ def _display_path(path: str) -> str:
     except ValueError:  # another drive (Windows)
         return path
     return path if relative.startswith("..") else relative
-
-
-def _mixed_dtypes(tensors: list[Any], positions: list[int]) -> bool:
-    first = tensors[positions[0]].dtype
-    return any(tensors[p].dtype != first for p in positions)
 
 
 def _tensors_in(value: Any, tensor_type: type) -> list[Any]:
@@ -953,9 +1189,10 @@ def trace(
         session.discover([loss.grad_fn])
         for leaf in leaves.values():
             saved_grads[id(leaf.tensor)] = (leaf.tensor, leaf.tensor.grad)
-        for state in session.states:
-            if state.variable is not None and id(state.variable) not in saved_grads:
-                saved_grads[id(state.variable)] = (state.variable, state.variable.grad)
+        for node_id in session.leaf_ids:
+            variable = session.nodes[node_id].variable
+            if id(variable) not in saved_grads:
+                saved_grads[id(variable)] = (variable, variable.grad)
         for tensor, _ in saved_grads.values():
             tensor.grad = None
         backward_start = time.perf_counter()

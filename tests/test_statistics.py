@@ -1,0 +1,126 @@
+"""How statistics are taken: small gradients in batches, large ones at once, each compared with an
+independent hooked backward that takes every norm in its hook (``reference.reference_backward``)."""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import pytest
+import torch
+
+from tracer_cli import trace, tracing
+
+from .test_edge_cases import compare_with_hooks
+
+
+def _mixed(x, y, z):
+    """Small gradients of many shapes and dtypes, some of them expanded or transposed views."""
+    a = (x * 2).sin()  # float32 (8,)
+    b = (y.double() * 3).sum()  # float64
+    c = z.to(torch.bfloat16).tanh().float()  # bfloat16 in the middle
+    d = x.sum().expand(5, 8)  # SumBackward sends on an expanded (non-contiguous) gradient
+    e = x.view(2, 4).t()  # a transposed gradient
+    f = x[:3] * torch.arange(3.0)  # a slice
+    return a.sum() + b + c.sum() + (d * 0.5).sum() + (e * e).sum() + f.sum() + (y[0] * z[:2]).prod()
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return torch.randn(8), torch.randn(5), torch.randn(6)
+
+
+def _reference_loss(model, args):
+    return model(*(a.detach().requires_grad_() for a in args))
+
+
+def test_batched_norms_match_norms_taken_in_the_hook():
+    args = _inputs()
+    result = trace(_mixed, args)
+    compare_with_hooks(result, _reference_loss(_mixed, args))
+    dtypes = {s.dtype for n in result.nodes for _, _, s in n.stats()}
+    assert {"float32", "float64", "bfloat16"} <= dtypes
+
+
+def test_flushing_midway_changes_nothing(monkeypatch):
+    """With room for only two pending hook calls, norms are taken in many batches during backward;
+    with a tiny size limit, most are taken at once."""
+    args = _inputs()
+    monkeypatch.setattr(tracing, "PENDING_CALLS", 2)
+    compare_with_hooks(trace(_mixed, args), _reference_loss(_mixed, args))
+    monkeypatch.setattr(tracing, "SMALL_NUMEL", 4)
+    compare_with_hooks(trace(_mixed, args), _reference_loss(_mixed, args))
+
+
+class _HalvesGradInPlace(torch.autograd.Function):
+    """A backward that changes the gradient it receives in place (bad style, but it happens)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad.mul_(0.5)
+        return grad
+
+
+def _in_place(x):
+    return (_HalvesGradInPlace.apply(x.sin()) * 3.0).sum()
+
+
+def test_a_gradient_changed_in_place_later_keeps_the_value_its_node_sent():
+    """The node before the custom Function sent the unchanged gradient; a deferred norm taken after
+    the custom backward ran would see the halved one (the pending norms are taken before it runs)."""
+    args = (torch.randn(8),)
+    result = trace(_in_place, args)
+    compare_with_hooks(result, _reference_loss(_in_place, args))
+    mul = result.find("MulBackward0")[0]
+    assert mul.grad_inputs[0].norm == pytest.approx(3.0 * math.sqrt(8), rel=1e-6)
+
+
+def test_large_gradients_norms_are_accurate():
+    """Large float32 gradients are normed with a dot product: within float32 rounding of a float64 norm."""
+    torch.manual_seed(0)
+    x = torch.randn(1 << 20) * 3 + 1
+    result = trace(lambda x: (x * x).sum(), (x,))
+    expected = float((2 * x.double()).norm())
+    assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(expected, rel=1e-5)
+
+
+def test_large_gradients_are_not_kept_until_the_end():
+    """A gradient too large to wait for a batched norm is normed at once and freed when backward is done
+    with it, as in a plain backward; holding it would raise the peak memory of a traced step."""
+    size = 1 << 16
+    assert size > tracing.SMALL_NUMEL
+    alive: list[bool] = []
+    refs: list[weakref.ref] = []
+
+    def model(x):
+        a = x * 2.0
+        b = a * 3.0
+        c = b * 4.0
+        c.register_hook(lambda g: refs.append(weakref.ref(g)))  # the gradient arriving at c
+        a.register_hook(lambda g: alive.append(refs[0]() is not None))  # two nodes later
+        return c.sum()
+
+    x = torch.randn(size)
+    x.requires_grad_()
+    model(x).backward()  # the plain run frees it
+    assert alive == [False]
+    alive.clear()
+    refs.clear()
+    result = trace(model, (torch.randn(size),))
+    assert alive == [False]
+    assert all(n.order is not None for n in result.nodes)
+
+
+def test_non_finite_values_survive_batching():
+    def model(x):
+        y = x * torch.tensor([1.0, 0.0, 2.0, 3.0])
+        return (y.log() * 2.0).sum() + (x * float("inf")).sum()
+
+    result = trace(model, (torch.ones(4),))
+    kinds = {n.name: n.nonfinite_kind for n in result.nodes}
+    assert kinds["LogBackward0"] == "inf"
+    assert result.nonfinite_origin() is not None
