@@ -353,6 +353,10 @@ PENDING_CALLS = 1 << 15
 OUT_CHUNK = 1024  # norms taken one at a time are written into buffers of this many values
 
 
+_SHAPE, _DTYPE, _LAYOUT = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("layout")
+_IS_CONTIGUOUS = operator.methodcaller("is_contiguous")
+
+
 class _Stats:
     """Statistics of tensors as numbered slots: shape, dtype and a norm computed on the tensor's device.
 
@@ -451,51 +455,53 @@ class _Stats:
         """A slot for each distinct tensor (by object), norms taken one op per shape and dtype.
 
         Returns ``id(tensor) -> slot`` (``None`` is skipped). The tensors must stay alive meanwhile, so ids
-        are unique.
+        are unique. Per tensor, only C-level iteration runs until the tensors are grouped.
         """
-        torch, strided = self._torch, self._strided
-        slots: dict[int, int] = {}
+        refs = list(tensors)
+        by_id = dict(zip(map(id, refs), refs))
+        by_id.pop(id(None), None)
+        distinct = list(by_id.values())
+        base = len(self.shapes)
+        slots = dict(zip(by_id, range(base, base + len(distinct))))
+        slots[id(None)] = -1
+        shapes = list(map(_SHAPE, distinct))
+        self.shapes += shapes
+        self.dtypes += map(_DTYPE, distinct)
+        self.positions += [None] * len(distinct)
         # contiguous tensors apart: one strided member (an expanded gradient) makes a whole stack slow
-        groups: dict[tuple, tuple[list[Any], list[int]]] = {}
-        shapes, dtypes, positions = self.shapes, self.dtypes, self.positions
-        slot = len(shapes)
-        slots[id(None)] = -1  # skipped
-        for tensor in tensors:
-            key = id(tensor)
-            if key in slots:
-                continue
-            slots[key] = slot
-            shape, dtype = tensor.shape, tensor.dtype
-            shapes.append(shape)
-            dtypes.append(dtype)
-            positions.append(None)
-            if tensor.layout is strided:
-                key = (shape, dtype, tensor.is_contiguous())  # a group on several devices fails to stack
+        groups: dict[tuple, list[int]] = {}
+        try:
+            keys = zip(shapes, self.dtypes[base:], map(_IS_CONTIGUOUS, distinct), map(_LAYOUT, distinct))
+            for index, key in enumerate(keys):
                 group = groups.get(key)
                 if group is None:
-                    group = groups[key] = ([], [])
-                group[0].append(tensor)
-                group[1].append(slot)
-            else:
-                self.layouts[slot] = str(tensor.layout).removeprefix("torch.")
-                positions[slot] = self._norm(tensor)
-            slot += 1
-        for (shape, dtype, _), (members, member_slots) in groups.items():
+                    groups[key] = [index]
+                else:
+                    group.append(index)
+        except Exception:  # a tensor subclass without a layout or strides: one by one
+            for index, tensor in enumerate(distinct):
+                self.positions[base + index] = self._norm(tensor)
+            return slots
+        for (shape, dtype, _, layout), members in groups.items():
+            if layout is not self._strided:
+                for index in members:
+                    self.layouts[base + index] = str(layout).removeprefix("torch.")
+            if layout is not self._strided or len(members) == 1:
+                for index in members:
+                    self.positions[base + index] = self._norm(distinct[index])
+                continue
             try:
-                if len(members) == 1:
-                    positions[member_slots[0]] = self._norm(members[0])
-                    continue
-                stacked = torch.stack(members).reshape(len(members), math.prod(shape))
+                stacked = self._torch.stack([distinct[i] for i in members]).reshape(len(members), math.prod(shape))
                 if dtype in self._wide:
                     norms = self._vector_norm(stacked, dim=1)
                 else:
                     norms = self._vector_norm(stacked, dim=1, dtype=self._float32)
                 first = self.value(norms)
-                for offset, slot in enumerate(member_slots):
-                    positions[slot] = first + offset
+                for offset, index in enumerate(members):
+                    self.positions[base + index] = first + offset
             except Exception:  # tensors on several devices, or subclasses that refuse to stack: one by one
-                for tensor, slot in zip(members, member_slots):
-                    positions[slot] = self._norm(tensor)
+                for index in members:
+                    self.positions[base + index] = self._norm(distinct[index])
         return slots
 
     def combined(self, tensors: list[Any]) -> int:
@@ -782,6 +788,9 @@ class _TraceSession:
         """Take the norms of the pending entries' gradients in batches; the entries then hold slots."""
         if entries is None:
             entries, self.pending, self.pending_numel = self.pending, [], 0
+        # a snapshot: a hook on another device's thread may still append to the list just taken; what it
+        # appends is left for finish() to find
+        entries = list(entries)
         if not entries:
             return
         with self._torch.no_grad():
