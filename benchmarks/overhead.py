@@ -1,6 +1,7 @@
 """Tracing overhead against a plain forward+backward, and against peers, in one process.
 
     python benchmarks/overhead.py                 # every workload, 9 interleaved rounds
+                                                  # (hf-gpt2 too where transformers is installed)
     python benchmarks/overhead.py tiny-ops --rounds 15
     python benchmarks/overhead.py --memory        # also peak memory, one subprocess per method
 

@@ -147,9 +147,37 @@ def chain(nodes: int) -> Workload:
     return run, (torch.randn(4),), lambda out: out.sum()
 
 
+class _HFCausalLM(nn.Module):
+    """A Hugging Face causal LM called on ``ids`` as its own labels; returns the loss."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, labels=ids).loss
+
+
+def hf_gpt2() -> Workload:
+    """Hugging Face GPT-2 from a config (random weights): 4 layers, width 256, sequence 128, batch 4."""
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=5000, n_positions=128, bos_token_id=0, eos_token_id=0)
+    model = _HFCausalLM(GPT2LMHeadModel(config).train())
+    return model, (torch.randint(0, 5000, (4, 128)),), lambda loss: loss
+
+
 WORKLOADS: dict[str, Callable[[], Workload]] = {
     "gpt2-style": gpt2_style,
     "resnet-style": resnet_style,
     "tiny-ops": tiny_ops,
     "wide-mlp": wide_mlp,
 }
+try:  # only where transformers is installed (it is not a gradtrace dependency)
+    import transformers  # noqa: F401
+
+    WORKLOADS["hf-gpt2"] = hf_gpt2
+except ImportError:
+    pass

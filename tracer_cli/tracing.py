@@ -425,7 +425,7 @@ class _Stats:
         (measured: twice the page faults of a plain backward on a CNN, and 20% of its time)."""
         key = (tensor.device, self._result_dtype(tensor.dtype))
         buffer = self._buffers.get(key)
-        if buffer is None or buffer[2] == len(buffer[0]):
+        if buffer is None or buffer[2] == OUT_CHUNK:
             values = self._torch.empty(OUT_CHUNK, dtype=key[1], device=key[0])
             buffer = self._buffers[key] = [values, self.value(values), 0]
         values, first, used = buffer
