@@ -5,6 +5,7 @@ Every workload is a function returning ``(model, args, loss_fn)``; ``loss_fn(out
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Any, Callable
 
@@ -175,9 +176,5 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
     "tiny-ops": tiny_ops,
     "wide-mlp": wide_mlp,
 }
-try:  # only where transformers is installed (it is not a gradtrace dependency)
-    import transformers  # noqa: F401
-
+if importlib.util.find_spec("transformers") is not None:  # not a gradtrace dependency; imported when used
     WORKLOADS["hf-gpt2"] = hf_gpt2
-except ImportError:
-    pass

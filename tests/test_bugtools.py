@@ -76,6 +76,24 @@ def test_terminal_names_the_origin_and_its_line():
     assert "it starts at #" in result.stdout and f"nan_where.py:{line}" in result.stdout
 
 
+def test_no_sources_records_no_lines_and_still_finds_the_origin(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sample, path = str(SAMPLES_DIR / "nan_where.py"), tmp_path / "trace.json"
+
+    def sources() -> list:
+        return [node["source"] for node in json.loads(path.read_text())["nodes"]]
+
+    invoke("run", sample, "--json", str(path))
+    assert any(sources())
+    result = invoke("run", sample, "--no-sources", "--json", str(path))
+    assert "starts here" in result.stdout and "nan_where.py:" not in result.stdout
+    assert not any(sources())
+    assert json.loads(path.read_text())["summary"]["first_nonfinite"]["name"] == "SqrtBackward0"
+    (tmp_path / "pyproject.toml").write_text("[tool.gradtrace]\nno-sources = true\n")
+    invoke("run", sample, "--json", str(path))
+    assert not any(sources())
+
+
 def test_stack_records_every_user_frame():
     def helper(x, w):
         return (x * w).sqrt()

@@ -124,6 +124,7 @@ KEYS: dict[str, Callable[[str, Any, Path], Any]] = {
     "rank-seed": _boolean,
     "rtol": _number(0.0),
     "timeout": _number(1.0),
+    "no-sources": _boolean,
 }
 
 

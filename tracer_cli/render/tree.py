@@ -177,8 +177,8 @@ def _node_text(node: Node, styler: _Styler, *, show_module: bool) -> Text:
         )
     if kind:
         text.append(f"  ← {kind}", style=_NONFINITE)
-        if node.source and styler.origin == node.id:
-            text.append(f" starts here ({node.source})", style=_NONFINITE)
+        if styler.origin == node.id:  # also where no source line is known (custom Functions, --no-sources)
+            text.append(" starts here" + (f" ({node.source})" if node.source else ""), style=_NONFINITE)
     return text
 
 
