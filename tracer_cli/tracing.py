@@ -345,11 +345,11 @@ def _forward_mode_class() -> type:
 
 
 # Gradients up to SMALL_NUMEL elements wait in their hook's record and get their norms in batches
-# (one stack and one norm per shape, dtype and device): a norm per tensor costs a dispatch (about
-# 2.5 µs), however small the tensor. At most PENDING_NUMEL elements or PENDING_CALLS hook calls wait.
+# (one stack and one norm per shape and dtype): a norm per tensor costs a dispatch (about 2.5 µs),
+# however small the tensor. At most PENDING_NUMEL elements or PENDING_CALLS hook calls wait.
 SMALL_NUMEL = 1 << 14
 PENDING_NUMEL = 1 << 22
-PENDING_CALLS = 1 << 15
+PENDING_CALLS = 1 << 12
 OUT_CHUNK = 1024  # norms taken one at a time are written into buffers of this many values
 
 
@@ -362,7 +362,7 @@ class _Stats:
 
     Norms (and any other value queued with :meth:`value`) stay on their devices until :meth:`read`,
     which reads them back in one transfer per device. :meth:`now` takes one tensor's norm at once;
-    :meth:`batch` takes the norms of many small tensors with one op per shape, dtype and device.
+    :meth:`batch` takes the norms of many small tensors with one op per shape and dtype.
     """
 
     def __init__(self) -> None:
