@@ -253,3 +253,90 @@ def test_a_100k_node_chain_is_traced_completely_and_freed_safely():
     x = torch.ones(4, requires_grad=True)
     chain(x).backward()  # the plain run
     assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(float(x.grad.norm()), rel=1e-6)
+
+
+class _Scaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = x * 2.0  # no node: forward runs without grad
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2.0
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x).relu() * 0.5 + _helper(x)
+        return _Scaled.apply(h) * 3.0 + h.sin()
+
+
+def _helper(x):
+    y = x.tanh()
+    return (y *
+            2.0).exp()  # an op on a continuation line
+
+
+def _many_lines(model, x):
+    out = x
+    for _ in range(3):
+        out = model(out)
+        out = out * 1.5
+    values = [t.cos() for t in out.unbind(0)]  # a comprehension frame
+    return torch.stack(values).sum() + _helper(out).mean()
+
+
+def test_sources_from_line_events_match_those_from_a_mode():
+    """Two independent ways of recording creation sites agree on every node: line events (the default)
+    and a TorchFunctionMode per op (used while another trace function is set, e.g. a debugger's)."""
+    import sys
+
+    torch.manual_seed(0)
+    model = _Block()
+    x = torch.randn(2, 4)
+    by_lines = trace(lambda x: _many_lines(model, x), x)
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: None)  # traces nothing, but is there
+    try:
+        by_mode = trace(lambda x: _many_lines(model, x), x)
+    finally:
+        sys.settrace(previous)
+    assert [n.name for n in by_lines.nodes] == [n.name for n in by_mode.nodes]
+    assert [n.source for n in by_lines.nodes] == [n.source for n in by_mode.nodes]
+    sources = {n.source for n in by_lines.nodes if n.source}
+    assert len(sources) >= 8 and all("test_tracing.py:" in s for s in sources)
+    (exp,) = {n.source for n in by_lines.nodes if n.name == "ExpBackward0"}
+    assert exp.endswith(f":{_helper.__code__.co_firstlineno + 3}")  # where .exp() is, not where the statement starts
+
+
+def test_line_events_leave_no_trace_function_behind():
+    import sys
+
+    from tracer_cli.errors import UserCodeError
+
+    def failing(x):
+        y = x * 2.0
+        raise ValueError("bad model")
+
+    assert sys.gettrace() is None
+    trace(lambda x: (x * 2.0).sum(), torch.ones(2))
+    assert sys.gettrace() is None
+    with pytest.raises(UserCodeError):
+        trace(failing, torch.ones(2))
+    assert sys.gettrace() is None
+
+    def debugger(frame, event, arg):
+        return None
+
+    sys.settrace(debugger)  # someone else's: kept, and gradtrace falls back to a mode
+    try:
+        result = trace(lambda x: (x * 2.0).sum(), torch.ones(2))
+        assert sys.gettrace() is debugger
+    finally:
+        sys.settrace(None)
+    assert all(n.source for n in result.nodes if not n.is_leaf)

@@ -39,9 +39,10 @@ def recording_calls(calls: dict[int, tuple] | None, keep_args: bool, sites: Any 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         first = next_sequence_nr()
         output = original.__func__(cls, *args, **kwargs)
-        if sites is not None:  # the Function's node was numbered before its forward ran
+        if sites is not None:  # the Function's node was numbered before its forward ran; after it, the
+            site = sites.user_site()  # caller's line goes on
             sites.starts += (first, first + 1)
-            sites.sites += (sites.user_site(), None)
+            sites.sites += (site, site)
         if calls is None:
             return output
         for tensor in _tensors_in(output, torch.Tensor):

@@ -39,7 +39,7 @@ import traceback
 import weakref
 from collections import deque
 from dataclasses import replace
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 from .errors import InternalError, ModelError, UserCodeError
 from .loss import compute_loss
@@ -153,6 +153,7 @@ class _ModuleTracker:
         self._local = threading.local()
         self._handles: list[Any] = []
         self._record_thread: int | None = None
+        self.compiled = False  # whether the model holds a torch.compile'd module
         self.bound_seqs: list[int] = []
         self.bound_modules: list[str | None] = []
 
@@ -178,6 +179,7 @@ class _ModuleTracker:
         import torch.nn as nn
 
         compiled = [name for name, module in self._modules if isinstance(getattr(module, "_orig_mod", None), nn.Module)]
+        self.compiled = bool(compiled)
         for name, module in self._modules:
             if any(_is_descendant(name, prefix) for prefix in compiled):
                 continue
@@ -256,11 +258,13 @@ def _library_prefixes() -> tuple[str, ...]:
 
 
 class _SiteRecorder:
-    """Creation sites: the user's source line behind each node, recorded per op at sequence-number boundaries.
+    """Creation sites: the user's source line behind each node, recorded at sequence-number boundaries.
 
-    An op that creates nodes gets an interval ``[first, next)`` of sequence numbers and the
-    innermost frame outside torch and gradtrace; a node's site is found by its ``_sequence_nr()``.
-    Nodes made inside an op (``TBackward0`` of ``F.linear``) share the op's site.
+    A table of marks "nodes numbered from here on were made at this site" is filled in forward, by
+    line events (:meth:`tracing_lines`) or by a TorchFunctionMode per op (the innermost frame outside
+    torch and gradtrace; an op that makes nodes gets an interval ``[first, next)``); a node's site is
+    the last mark at or before its ``_sequence_nr()``. Nodes made inside an op (``TBackward0`` of
+    ``F.linear``) share the op's site.
     """
 
     def __init__(self, stacks: bool = False) -> None:
@@ -291,6 +295,50 @@ class _SiteRecorder:
                 stack.append((code.co_filename, frame.f_lineno, code.co_name))
             frame = frame.f_back
         return tuple(stack)
+
+    def _mark(self, seq: int, site: Any) -> None:
+        """Nodes numbered from ``seq`` on are made at ``site`` (until the next mark)."""
+        if self.starts and self.starts[-1] == seq:  # no node was made since the last mark: replace it
+            self.sites[-1] = site
+        else:
+            self.starts.append(seq)
+            self.sites.append(site)
+
+    @contextlib.contextmanager
+    def tracing_lines(self) -> Iterator[None]:
+        """Record sites from Python's line events in user frames (``sys.settrace``, this thread only).
+
+        A line marks the sequence number its ops will take; a user frame returning marks the line its
+        caller goes on with. torch's and gradtrace's frames are not traced. On a graph of tiny ops this
+        costs a fifth of a TorchFunctionMode call per op; on module-heavy models about the same.
+        """
+        skip, next_sequence_nr, mark = self.skip, self.next_sequence_nr, self._mark
+        user_code: dict[Any, bool] = {}
+
+        def is_user(code: Any) -> bool:
+            user = user_code.get(code)
+            if user is None:
+                user = user_code[code] = not code.co_filename.startswith(skip)
+            return user
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line":
+                mark(next_sequence_nr(), (frame.f_code.co_filename, frame.f_lineno))
+            elif event == "return":
+                caller = frame.f_back
+                while caller is not None and not is_user(caller.f_code):
+                    caller = caller.f_back
+                mark(next_sequence_nr(), None if caller is None else (caller.f_code.co_filename, caller.f_lineno))
+            return local
+
+        def on_call(frame: Any, event: str, arg: Any) -> Any:
+            return local if is_user(frame.f_code) else None
+
+        sys.settrace(on_call)
+        try:
+            yield
+        finally:
+            sys.settrace(None)
 
     def table(self) -> tuple[list[int], list[Any]]:
         """The interval starts, sorted, and the site of each (a Function applied inside an op is recorded
@@ -1198,10 +1246,14 @@ def trace(
         session.forward_stats = forward_stats
         session.sites = _SiteRecorder(stacks) if sources or stacks else None
         session.replay = replay
-        wants_mode = forward_stats or session.sites is not None
+        # creation sites from line events, unless something else traces this thread (a debugger, coverage),
+        # the model holds a torch.compile'd module, or --stack wants whole stacks: then from a mode, per op
+        by_lines = session.sites is not None and not stacks and sys.gettrace() is None and not tracker.compiled
         with contextlib.ExitStack() as forward_context:
-            if wants_mode:
-                forward_context.enter_context(_forward_mode_class()(session, session.sites))
+            if forward_stats or (session.sites is not None and not by_lines):
+                forward_context.enter_context(_forward_mode_class()(session, None if by_lines else session.sites))
+            if by_lines:
+                forward_context.enter_context(session.sites.tracing_lines())
             if gradcheck or replay or session.sites is not None:
                 from .gradcheck import recording_calls
 
