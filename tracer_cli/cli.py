@@ -228,8 +228,8 @@ _GRADCHECK = typer.Option(
 )
 _STACK = typer.Option(False, "--stack", help="Record the full user stack behind every node and show it.")
 _NO_SOURCES = typer.Option(
-    False, "--no-sources", help="Do not record the source line that created each node (a Python call per op in "
-    "forward): faster on graphs of many tiny ops; non-finite origins are then named without their line."
+    False, "--no-sources", help="Do not record the source line that created each node (a Python trace function "
+    "while forward runs); non-finite origins are then named without their line."
 )
 
 

@@ -7,6 +7,8 @@ How it works (see AUTOGRAD_FACTS.md for the measurements behind each choice):
   belongs to the innermost module active when its ``_sequence_nr()`` was taken,
   which a binary search over those boundaries finds. This also places nodes made
   inside an op (``TBackward0`` of ``F.linear``) and custom Function nodes.
+* Creation sites, the same way: line events of the user's frames (``sys.settrace``)
+  mark the sequence number each line's ops take.
 * Hooks. After forward, the graph is walked from the loss and a post-hook is put
   on every node. A hook only logs what the node received and sent. A large
   gradient's norm is queued at once (a BLAS dot product on the gradient's
@@ -19,8 +21,9 @@ How it works (see AUTOGRAD_FACTS.md for the measurements behind each choice):
   runs: a custom Function's backward (reentrant checkpointing recomputes its
   forward there). While such a node runs, a TorchFunctionMode hooks the nodes its
   ops create; they carry ``created_in``.
-* Cleanup. Every hook is removed, each parameter's ``.grad`` and every module's
-  training flag are restored in ``finally``, also when the user's code raises.
+* Cleanup. Every hook and the trace function are removed, each parameter's ``.grad``
+  and every module's training flag are restored in ``finally``, also when the user's
+  code raises.
 """
 
 from __future__ import annotations
@@ -1202,7 +1205,8 @@ def trace(
             Python call per op in forward, so it is off by default.
         rank, world_size: recorded in ``meta`` (set under torchrun).
         sources: record each node's creation site, the user's source line whose op
-            made it (``Node.source``): a frame walk per op in forward.
+            made it (``Node.source``), from Python line events while forward runs
+            (``sys.settrace``; a TorchFunctionMode when another trace function is set).
         replay: run each node's backward again inside its hook, from the gradients
             it received, and compare with what the engine produced (``Node.replay``).
         gradcheck: check every custom ``autograd.Function``'s backward numerically
