@@ -211,6 +211,37 @@ def test_param_grads_are_the_grads_after_backward():
         assert recorded[name].norm == pytest.approx(float(param.grad.norm()), rel=1e-6)
 
 
+def test_param_grads_changed_after_accumulation_are_read_again():
+    """Where .grad can differ from what AccumulateGrad received (a post-accumulate-grad hook changes it, or
+    a parameter is accumulated twice through a reentrant checkpoint), it is read again, not reused."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    scaled, shared = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def times_ten(param):
+        param.grad.mul_(10.0)
+
+    scaled.weight.register_post_accumulate_grad_hook(times_ten)
+
+    def model(x):
+        h = scaled(x)
+        h = checkpoint(lambda t: shared(t).tanh(), h, use_reentrant=True)
+        return shared(h).sum()  # `shared` again, outside the checkpoint
+
+    x = torch.randn(4, 16)
+    result = trace(model, x)
+    assert len(result.leaf("shared.weight").calls) == 2
+    for p in (*scaled.parameters(), *shared.parameters()):
+        p.grad = None
+    model(x.clone().requires_grad_()).backward()
+    recorded = dict(result.param_grads)
+    for name, param in (("scaled.weight", scaled.weight), ("shared.weight", shared.weight), ("shared.bias", shared.bias)):
+        assert recorded[name].norm == pytest.approx(float(param.grad.norm()), rel=1e-6), name
+    received = result.leaf("scaled.weight").grad_outputs[0].norm
+    assert recorded["scaled.weight"].norm == pytest.approx(10.0 * received, rel=1e-6)
+
+
 def test_sources_are_the_user_lines_that_created_each_node():
     from .reference import SAMPLES_DIR, load_sample
 

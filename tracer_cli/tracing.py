@@ -502,6 +502,12 @@ class _Stats:
         self.positions.append(self._norm(tensor))
         return slot
 
+    def alias(self, tensor: Any, slot: int) -> int:
+        """A new slot for ``tensor``, whose norm is that of ``slot`` (the same elements)."""
+        new = self._new_slot(tensor)
+        self.positions.append(self.positions[slot])
+        return new
+
     def batch(self, tensors: Iterable[Any]) -> dict[int, int]:
         """A slot for each distinct tensor (by object), norms taken one op per shape and dtype.
 
@@ -654,6 +660,8 @@ class _TraceSession:
         # id(tensor) -> (weak reference, version, slot): a large gradient a node sends on is usually the
         # very object the next node receives, so its norm is taken once
         self._seen: dict[int, tuple[Any, int, int]] = {}
+        self._blocks: dict[tuple, tuple[Any, int, int]] = {}  # the same, per block of memory
+        self.received: dict[int, list[tuple]] = {}  # AccumulateGrad (and --replay) node -> grad_outputs slots, per call
         self.errors: list[str] = []
         self.running_custom: list[int] = []
         self.modes: list[Any] = []
@@ -808,6 +816,7 @@ class _TraceSession:
             entry = [node_id, grad_inputs, grad_outputs]
             self.log.append(entry)
             self._stat_now(entry)
+            self.received.setdefault(node_id, []).append(entry[2])
             if self.replay and node_id not in self.replays:
                 self.replays[node_id] = self._replay(node_id, grad_inputs, grad_outputs)
         except Exception:
@@ -824,16 +833,37 @@ class _TraceSession:
             entry[1], entry[2] = tuple(map(self._slot_now, entry[1])), tuple(map(self._slot_now, entry[2]))
 
     def _slot_now(self, grad: Any) -> int:
-        """The slot of a gradient, its norm queued once per tensor object and version."""
+        """The slot of a gradient, its norm queued once per tensor object and version, and once per block
+        of memory: a transposed view (``TBackward0`` sends on its input's transpose) has the same norm."""
         if grad is None:
             return -1
         seen = self._seen.get(id(grad))
         # the same object with the same version: the engine accumulates gradients in place
         if seen is not None and seen[0]() is grad and seen[1] == grad._version:
             return seen[2]
-        slot = self.stats.now(grad)
+        block = self._dense_block(grad)
+        same = self._blocks.get(block) if block is not None else None
+        # the same elements while the first tensor lives (its memory cannot be reused), unchanged since
+        if same is not None and same[0]() is not None and same[1] == grad._version:
+            slot = self.stats.alias(grad, same[2])
+        else:
+            slot = self.stats.now(grad)
+            if block is not None:
+                self._blocks[block] = (weakref.ref(grad), grad._version, slot)
         self._seen[id(grad)] = (weakref.ref(grad), grad._version, slot)
         return slot
+
+    def _dense_block(self, grad: Any) -> tuple | None:
+        """``(address, numel, dtype, device)`` of a tensor whose elements fill one block of memory exactly
+        (contiguous, or a transposed contiguous matrix); None for others, whose norm is not shared."""
+        try:
+            if grad.layout is not self.stats._strided:
+                return None
+            if grad.is_contiguous() or (grad.dim() == 2 and grad.t().is_contiguous()):
+                return (grad.data_ptr(), grad.numel(), grad.dtype, grad.device)
+        except Exception:  # a tensor subclass without storage
+            pass
+        return None
 
     def flush(self, entries: list[list[Any]] | None = None) -> None:
         """Take the norms of the pending entries' gradients in batches; the entries then hold slots."""
@@ -916,11 +946,32 @@ class _TraceSession:
         self.custom_calls.clear()
 
     def record_param_grads(self) -> None:
-        """Queue each parameter's ``.grad`` as backward left it (under DDP: averaged across ranks)."""
+        """Queue each parameter's ``.grad`` as backward left it (under DDP: averaged across ranks).
+
+        Where nothing can have changed it since, ``.grad`` holds what the parameter's AccumulateGrad
+        received (a copy, when that was a transposed view): its statistics are reused rather than
+        read again. Something can have changed it when ranks average gradients, when AccumulateGrad
+        ran more than once, or when the parameter has post-accumulate-grad hooks.
+        """
+        dist = self._torch.distributed
+        averaged = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        once: dict[int, int] = {}  # id(parameter) -> slot of the gradient its AccumulateGrad received
+        if not averaged:
+            for node_id in self.leaf_ids:
+                calls = self.received.get(node_id, ())
+                variable = self.nodes[node_id].variable
+                if len(calls) == 1 and len(calls[0]) == 1 and not getattr(variable, "_post_accumulate_grad_hooks", None):
+                    once[id(variable)] = calls[0][0]
         with self._torch.no_grad():
             for leaf in self.leaves.values():
-                if leaf.tensor.grad is not None:  # often the very tensor AccumulateGrad received
-                    self.param_grads.append((leaf.name, self._slot_now(leaf.tensor.grad)))
+                grad = leaf.tensor.grad
+                if grad is None:
+                    continue
+                slot = once.get(id(leaf.tensor), -1)
+                if slot >= 0 and self.stats.shapes[slot] == grad.shape and self.stats.dtypes[slot] == grad.dtype:
+                    self.param_grads.append((leaf.name, self.stats.alias(grad, slot)))
+                else:  # often the very tensor AccumulateGrad received
+                    self.param_grads.append((leaf.name, self._slot_now(grad)))
 
     def finish(self, meta: Meta, loss: Any) -> Trace:
         """Read the statistics (and the loss value) back in one transfer and build the frozen Trace.
@@ -1100,6 +1151,7 @@ class _TraceSession:
         self.nodes.clear()
         self.index.clear()
         self._seen.clear()
+        self._blocks.clear()
 
 
 def _intervals_at(starts: list[int], values: list[Any], seqs: list[int]) -> list[Any]:
