@@ -351,7 +351,7 @@ def test_line_events_leave_no_trace_function_behind():
     from tracer_cli.errors import UserCodeError
 
     def failing(x):
-        y = x * 2.0
+        (x * 2.0).sum()  # a node, then the error
         raise ValueError("bad model")
 
     assert sys.gettrace() is None
