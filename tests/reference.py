@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import pytest
 import torch
 from torch import nn
 
@@ -285,3 +286,24 @@ def canonical_order(root: Any, next_of: Callable[[Any], Iterable[Any]], key: Cal
                 order.append(successor)
                 queue.append(successor)
     return order
+
+
+def compare_with_hooks(result: Any, loss: torch.Tensor) -> ReferenceBackward:
+    """Every node's stats in ``result`` (a Trace) equal an independent hooked backward of ``loss``
+    (nodes paired by position in a canonical walk of both graphs)."""
+    ref = reference_backward(loss)
+    traced_order = canonical_order(
+        result.nodes[0], lambda n: [None if j is None else result.nodes[j] for j in n.next], key=lambda n: n.id
+    )
+    reference_order = canonical_order(ref.before[0], lambda n: [f for f, _ in n.next_functions])
+    assert [n.name for n in traced_order] == [n.name() for n in reference_order]
+    for node, ref_node in zip(traced_order, reference_order):
+        (ref_in, ref_out), = ref.calls[id(ref_node)]
+        for stats, expected in ((node.grad_inputs, ref_in), (node.grad_outputs, ref_out)):
+            assert len(stats) == len(expected), node.label()
+            for stat, exp in zip(stats, expected):
+                assert (stat is None) == (exp is None), node.label()
+                if stat is not None:
+                    assert (stat.shape, stat.dtype) == exp[:2], node.label()
+                    assert stat.norm == pytest.approx(exp[2], rel=1e-4, abs=1e-6), node.label()
+    return ref

@@ -21,12 +21,11 @@ from torch.utils.checkpoint import checkpoint
 
 from .reference import (
     as_call_args,
-    canonical_order,
+    compare_with_hooks,
     grad_norm,
     graph_signature,
     load_sample,
     plain_grads,
-    reference_backward,
     sample_model,
     with_input_grads,
 )
@@ -50,26 +49,6 @@ def shapes(stats):
 
 def approx_tuple(values, rel=1e-5):
     return tuple(None if v is None else pytest.approx(v, rel=rel, abs=1e-7) for v in values)
-
-
-def compare_with_hooks(result, loss):
-    """Every node's stats equal an independent hooked backward of ``loss`` (paired by position)."""
-    ref = reference_backward(loss)
-    traced_order = canonical_order(
-        result.nodes[0], lambda n: [None if j is None else result.nodes[j] for j in n.next], key=lambda n: n.id
-    )
-    reference_order = canonical_order(ref.before[0], lambda n: [f for f, _ in n.next_functions])
-    assert [n.name for n in traced_order] == [n.name() for n in reference_order]
-    for node, ref_node in zip(traced_order, reference_order):
-        (ref_in, ref_out), = ref.calls[id(ref_node)]
-        for stats, expected in ((node.grad_inputs, ref_in), (node.grad_outputs, ref_out)):
-            assert len(stats) == len(expected), node.label()
-            for stat, exp in zip(stats, expected):
-                assert (stat is None) == (exp is None), node.label()
-                if stat is not None:
-                    assert (stat.shape, stat.dtype) == exp[:2], node.label()
-                    assert stat.norm == pytest.approx(exp[2], rel=1e-4, abs=1e-6), node.label()
-    return ref
 
 
 # The classic examples --------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 
 from tracer_cli import trace, tracing
 
-from .test_edge_cases import compare_with_hooks
+from .reference import compare_with_hooks
 
 
 def _mixed(x, y, z):
