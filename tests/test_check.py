@@ -450,19 +450,6 @@ def test_nonfinite_loss_is_a_finding():
     assert any("the loss is nan" in f.detail for f in report.failures)
 
 
-def test_check_help_does_not_import_torch():
-    code = (
-        "import sys\n"
-        "from typer.testing import CliRunner\n"
-        "from tracer_cli.cli import app\n"
-        "r = CliRunner().invoke(app, ['check', '--help'])\n"
-        "assert r.exit_code == 0, r.output\n"
-        "print('torch' in sys.modules)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "False"
-
-
 # Under torchrun -----------------------------------------------------------------------------------
 
 

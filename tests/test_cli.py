@@ -328,10 +328,9 @@ def test_help_does_not_import_torch():
         "import sys\n"
         "from typer.testing import CliRunner\n"
         "from tracer_cli.cli import app\n"
-        "r = CliRunner().invoke(app, ['run', '--help'])\n"
-        "assert r.exit_code == 0, r.output\n"
-        "r = CliRunner().invoke(app, ['--help'])\n"
-        "assert r.exit_code == 0, r.output\n"
+        "for args in (['run', '--help'], ['check', '--help'], ['--help']):\n"
+        "    r = CliRunner().invoke(app, args)\n"
+        "    assert r.exit_code == 0, r.output\n"
         "print('torch' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

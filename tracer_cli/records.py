@@ -212,8 +212,8 @@ class Node(NamedTuple):
             leaf: the parameter or input itself), when recorded; ``None`` for
             nodes made inside an op, or when forward statistics were off.
         source: ``path:line`` of the user's code whose op created the node (the
-            innermost frame outside torch and gradtrace); ``None`` for leaves,
-            custom Function nodes and nodes made during backward.
+            innermost frame outside torch and gradtrace; a custom Function's node has the
+            line that applied it); ``None`` for leaves and nodes made during backward.
         stack: every user frame behind the node, innermost first (``--stack``).
         replay: the node's backward run again in its hook (``--replay``).
         gradcheck: a custom Function's numerical check (``--gradcheck``).

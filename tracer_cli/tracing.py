@@ -656,7 +656,6 @@ class _TraceSession:
         self.log: list[list[Any]] = []
         self.pending: list[list[Any]] = []  # log entries whose small gradients wait for a batched norm
         self.pending_numel = 0
-        self.converted = 0  # log entries whose gradients are slots by now
         # id(tensor) -> (weak reference, version, slot): a large gradient a node sends on is usually the
         # very object the next node receives, so its norm is taken once
         self._seen: dict[int, tuple[Any, int, int]] = {}
@@ -825,7 +824,6 @@ class _TraceSession:
 
     def _stat_now(self, entry: list[Any]) -> None:
         """Replace an entry's gradients by slots whose norms are queued now."""
-        self.converted += 1
         if self._torch.is_grad_enabled():  # backward(create_graph=True): keep statistics out of the graph
             with self._torch.no_grad():
                 entry[1], entry[2] = tuple(map(self._slot_now, entry[1])), tuple(map(self._slot_now, entry[2]))
@@ -857,7 +855,7 @@ class _TraceSession:
         """``(address, numel, dtype, device)`` of a tensor whose elements fill one block of memory exactly
         (contiguous, or a transposed contiguous matrix); None for others, whose norm is not shared."""
         try:
-            if grad.layout is not self.stats._strided:
+            if grad.layout is not self._torch.strided:
                 return None
             if grad.is_contiguous() or (grad.dim() == 2 and grad.t().is_contiguous()):
                 return (grad.data_ptr(), grad.numel(), grad.dtype, grad.device)
@@ -878,7 +876,6 @@ class _TraceSession:
             slots = self.stats.batch(itertools.chain.from_iterable(map(operator.itemgetter(3), entries)))
         slots[id(None)] = -1  # "no gradient"
         slot_of = slots.__getitem__
-        self.converted += len(entries)
         for entry in entries:
             entry[1] = tuple(map(slot_of, map(id, entry[1])))
             entry[2] = tuple(map(slot_of, map(id, entry[2])))
@@ -982,9 +979,8 @@ class _TraceSession:
         if self.errors:
             raise InternalError("a gradtrace hook failed during backward:\n" + self.errors[0])
         self.flush()
-        if self.converted != len(self.log):
-            # a hook on another device's thread logged while a flush ran: take what it left behind
-            self.flush([entry for entry in self.log if len(entry) == 4])
+        # a hook on another device's thread may have logged while a flush ran: take what it left behind
+        self.flush([entry for entry in self.log if len(entry) == 4])
         nodes = self.nodes
         first_call: list[list[Any] | None] = [None] * len(nodes)
         calls: dict[int, list[list[Any]]] = {}  # nodes that ran more than once: every call
