@@ -7,6 +7,8 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from tracer_cli import trace
@@ -371,3 +373,104 @@ def test_line_events_leave_no_trace_function_behind():
     finally:
         sys.settrace(None)
     assert all(n.source for n in result.nodes if not n.is_leaf)
+
+
+class Keeper(nn.Module):
+    """Keeps its output, so the graph outlives trace(); a user hook is put on a node while forward runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+        self.kept = None
+        self.calls: list[str] = []
+        self.handle = None
+
+    def forward(self, x):
+        y = self.w + x  # no tensor saved for backward: the kept graph can run again
+        if self.handle is None:
+            self.handle = y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: self.calls.append("user"))
+        self.kept = y
+        return y.sum()
+
+
+def test_graph_nodes_the_model_keeps_are_left_without_gradtrace_hooks():
+    from torch.autograd.function import _HookMixin
+
+    from tracer_cli import tracing
+
+    torch_register = _HookMixin.__dict__["_register_hook"]
+    model = Keeper()
+    trace(model, torch.ones(3), input_grad=False)
+    assert model.calls == ["user"]  # the user's hook on the same node ran, once
+    assert _HookMixin.__dict__["_register_hook"] is torch_register
+    gc.collect()
+    # a hook left behind would hold the session (its hooks are bound to it)
+    assert not [o for o in gc.get_objects() if isinstance(o, tracing._TraceSession)]
+
+    # the kept graph runs again with only the user's hooks, and takes new ones with torch's handles, also on
+    # a node that had only gradtrace's hook (torch's handle holds a weak reference to the node's hook dict)
+    (accumulate, _), *_ = model.kept.grad_fn.next_functions
+    later = []
+    handle = accumulate.register_hook(lambda grad_inputs, grad_outputs: later.append("later"))
+    model.kept.sum().backward()
+    assert model.calls == ["user", "user"] and later == ["later"]
+    assert torch.equal(model.w.grad, torch.ones(3))
+    handle.remove()
+    model.handle.remove()
+    model.kept.sum().backward()
+    assert model.calls == ["user", "user"] and later == ["later"]
+
+
+def test_torch_hook_registration_is_restored_when_the_model_fails():
+    from torch.autograd.function import _HookMixin
+
+    from tracer_cli.errors import UserCodeError
+
+    torch_register = _HookMixin.__dict__["_register_hook"]
+    with pytest.raises(UserCodeError):
+        trace(lambda x: Raising.apply(x * 2.0).sum(), torch.ones(2))
+    assert _HookMixin.__dict__["_register_hook"] is torch_register
+
+
+class Raising(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("bad backward")
+
+
+def test_hooks_registered_by_another_thread_meanwhile_get_torch_handles():
+    import threading
+
+    from torch.utils.hooks import RemovableHandle
+
+    from tracer_cli.tracing import _node_hooks
+
+    y = torch.ones(2, requires_grad=True) * 2.0
+    handles = []
+    with _node_hooks(object()):
+        other = threading.Thread(target=lambda: handles.append(y.grad_fn.register_hook(lambda gi, go: None)))
+        other.start()
+        other.join()
+    assert isinstance(handles[0], RemovableHandle)
+    handles[0].remove()
+
+
+@given(
+    st.lists(st.integers(0, 60), max_size=30).map(sorted),
+    st.lists(st.integers(-5, 80) | st.just(2**64 - 1), max_size=40),
+)
+@settings(max_examples=300, deadline=None)
+def test_interval_lookup_agrees_with_a_binary_search(starts, seqs):
+    """Modules and creation sites are looked up by sequence number: the value of the last interval that
+    starts at or before it, None before the first."""
+    import bisect
+
+    from tracer_cli.tracing import _intervals_at
+
+    values = [f"site {i}" for i in range(len(starts))]
+    expected = [None if bisect.bisect_right(starts, s) == 0 else values[bisect.bisect_right(starts, s) - 1] for s in seqs]
+    assert _intervals_at(starts, values, seqs) == expected

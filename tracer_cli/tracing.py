@@ -316,6 +316,7 @@ class _SiteRecorder:
         costs a fifth of a TorchFunctionMode call per op; on module-heavy models about the same.
         """
         skip, next_sequence_nr, mark = self.skip, self.next_sequence_nr, self._mark
+        starts, sites = self.starts, self.sites  # extended in place while forward runs
         user_code: dict[Any, bool] = {}
 
         def is_user(code: Any) -> bool:
@@ -325,8 +326,13 @@ class _SiteRecorder:
             return user
 
         def local(frame: Any, event: str, arg: Any) -> Any:
-            if event == "line":
-                mark(next_sequence_nr(), (frame.f_code.co_filename, frame.f_lineno))
+            if event == "line":  # mark(), inlined: once per line the user's code runs
+                seq, site = next_sequence_nr(), (frame.f_code.co_filename, frame.f_lineno)
+                if starts and starts[-1] == seq:
+                    sites[-1] = site
+                else:
+                    starts.append(seq)
+                    sites.append(site)
             elif event == "return":
                 caller = frame.f_back
                 while caller is not None and not is_user(caller.f_code):
@@ -402,10 +408,10 @@ SMALL_NUMEL = 1 << 14
 PENDING_NUMEL = 1 << 22
 PENDING_CALLS = 1 << 12
 OUT_CHUNK = 1024  # norms taken one at a time are written into buffers of this many values
+NO_VALUE = -1  # the position of a norm that could not be taken
 
 
 _SHAPE, _DTYPE, _LAYOUT = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("layout")
-_IS_CONTIGUOUS = operator.methodcaller("is_contiguous")
 
 
 class _Stats:
@@ -430,7 +436,7 @@ class _Stats:
         self._squared: list[int] = []  # positions that hold a squared norm
         self.shapes: list[Any] = []
         self.dtypes: list[Any] = []
-        self.positions: list[int | None] = []  # where each slot's norm lies in the read-back values
+        self.positions: list[int] = []  # where each slot's norm lies in the read-back values; NO_VALUE: none
         self.layouts: dict[int, str] = {}  # slot -> layout, for the few that are not strided
         self._chunks: list[tuple[Any, int]] = []  # (0-d or 1-d tensor of values, position of its first)
         self._size = 0
@@ -470,7 +476,7 @@ class _Stats:
     def _result_dtype(self, dtype: Any) -> Any:
         return self._float64 if dtype in self._double else self._float32
 
-    def _norm(self, tensor: Any) -> int | None:
+    def _norm(self, tensor: Any) -> int:
         """Queue the norm of one tensor, written into a preallocated buffer: a small tensor allocated per
         norm and kept to the end would sit between the large blocks backward frees and allocates again
         (measured: twice the page faults of a plain backward on a CNN, and 20% of its time)."""
@@ -482,7 +488,7 @@ class _Stats:
         values, first, used = buffer
         norm, squared = self._norm_tensor(tensor, out=values[used])
         if norm is None:
-            return None
+            return NO_VALUE
         buffer[2] = used + 1
         if squared:
             self._squared.append(first + used)
@@ -511,54 +517,58 @@ class _Stats:
     def batch(self, tensors: Iterable[Any]) -> dict[int, int]:
         """A slot for each distinct tensor (by object), norms taken one op per shape and dtype.
 
-        Returns ``id(tensor) -> slot`` (``None`` is skipped). The tensors must stay alive meanwhile, so ids
-        are unique. Per tensor, only C-level iteration runs until the tensors are grouped.
+        Returns ``id(tensor) -> slot``, with ``id(None) -> -1``. The tensors must stay alive meanwhile, so
+        ids are unique. Per tensor, only C-level iteration runs (maps, a sort); Python runs per group.
         """
         refs = list(tensors)
         by_id = dict(zip(map(id, refs), refs))
         by_id.pop(id(None), None)
         distinct = list(by_id.values())
+        count = len(distinct)
         base = len(self.shapes)
-        slots = dict(zip(by_id, range(base, base + len(distinct))))
+        slots = dict(zip(by_id, range(base, base + count)))
         slots[id(None)] = -1
         shapes = list(map(_SHAPE, distinct))
+        dtypes = list(map(_DTYPE, distinct))
         self.shapes += shapes
-        self.dtypes += map(_DTYPE, distinct)
-        self.positions += [None] * len(distinct)
-        # contiguous tensors apart: one strided member (an expanded gradient) makes a whole stack slow
-        groups: dict[tuple, list[int]] = {}
+        self.dtypes += dtypes
         try:
-            keys = zip(shapes, self.dtypes[base:], map(_IS_CONTIGUOUS, distinct), map(_LAYOUT, distinct))
-            for index, key in enumerate(keys):
-                group = groups.get(key)
-                if group is None:
-                    groups[key] = [index]
-                else:
-                    group.append(index)
+            # contiguous tensors apart: one strided member (an expanded gradient) makes a whole stack slow
+            keys = list(zip(shapes, dtypes, map(self._torch.Tensor.is_contiguous, distinct), map(_LAYOUT, distinct)))
         except Exception:  # a tensor subclass without a layout or strides: one by one
-            for index, tensor in enumerate(distinct):
-                self.positions[base + index] = self._norm(tensor)
+            self.positions += map(self._norm, distinct)
             return slots
-        for (shape, dtype, _, layout), members in groups.items():
+        first_with_key: dict[tuple, int] = {}
+        groups = list(map(first_with_key.setdefault, keys, range(count)))  # a group: its first member's index
+        # each group's members together, in order (a stable sort)
+        order = range(count) if len(first_with_key) == 1 else sorted(range(count), key=groups.__getitem__)
+        in_order: list[int] = []  # the position of each tensor, in `order`
+        for group, members in itertools.groupby(order, key=groups.__getitem__):
+            members = list(members)
+            shape, dtype, _, layout = keys[group]
             if layout is not self._strided:
                 for index in members:
                     self.layouts[base + index] = str(layout).removeprefix("torch.")
             if layout is not self._strided or len(members) == 1:
-                for index in members:
-                    self.positions[base + index] = self._norm(distinct[index])
+                in_order += map(self._norm, map(distinct.__getitem__, members))
                 continue
             try:
-                stacked = self._torch.stack([distinct[i] for i in members]).reshape(len(members), math.prod(shape))
+                stacked = self._torch.stack(list(map(distinct.__getitem__, members)))
+                stacked = stacked.reshape(len(members), math.prod(shape))
                 if dtype in self._wide:
                     norms = self._vector_norm(stacked, dim=1)
                 else:
                     norms = self._vector_norm(stacked, dim=1, dtype=self._float32)
                 first = self.value(norms)
-                for offset, index in enumerate(members):
-                    self.positions[base + index] = first + offset
+                in_order += range(first, first + len(members))
             except Exception:  # tensors on several devices, or subclasses that refuse to stack: one by one
-                for index in members:
-                    self.positions[base + index] = self._norm(distinct[index])
+                in_order += map(self._norm, map(distinct.__getitem__, members))
+        if len(first_with_key) == 1:
+            self.positions += in_order
+        else:
+            positions = [NO_VALUE] * count
+            deque(map(positions.__setitem__, order, in_order), maxlen=0)  # back in slot order
+            self.positions += positions
         return slots
 
     def combined(self, tensors: list[Any]) -> int:
@@ -568,7 +578,7 @@ class _Stats:
         slot = self._new_slot(tensors[0])
         self.shapes[slot] = (sum(t.numel() for t in tensors),)
         if any(norm is None for norm, _ in parts):
-            self.positions.append(None)
+            self.positions.append(NO_VALUE)
         else:
             squares = [norm.to(torch.float64) if squared else norm.to(torch.float64) ** 2 for norm, squared in parts]
             self.positions.append(self.value(torch.stack(squares).sum()))
@@ -614,16 +624,11 @@ class _Stats:
 
     def records(self, values: list[float | None]) -> list[GradStat | None]:
         """A GradStat per slot, plus ``None`` at the end (so slot -1 reads as "no gradient")."""
-        names: dict[Any, str] = {}
-        records: list[GradStat | None] = []
-        layouts = self.layouts
-        new = tuple.__new__
-        for slot, (shape, dtype, position) in enumerate(zip(self.shapes, self.dtypes, self.positions)):
-            name = names.get(dtype)
-            if name is None:
-                name = names[dtype] = _dtype_name(dtype)
-            norm = None if position is None else values[position]
-            records.append(new(GradStat, (tuple(shape), name, norm, layouts.get(slot) if layouts else None)))
+        names = {dtype: _dtype_name(dtype) for dtype in set(self.dtypes)}
+        norms = map([*values, None].__getitem__, self.positions)  # NO_VALUE (-1) reads the None
+        layouts = map(self.layouts.get, range(len(self.shapes))) if self.layouts else itertools.repeat(None)
+        fields = zip(map(tuple, self.shapes), map(names.__getitem__, self.dtypes), norms, layouts)
+        records: list[GradStat | None] = list(map(functools.partial(tuple.__new__, GradStat), fields))
         records.append(None)
         return records
 
@@ -632,9 +637,10 @@ class _TraceSession:
     """The mutable state of one trace; turned into a frozen Trace by :meth:`finish`.
 
     Nodes are numbered as discovery finds them (0 is the loss's ``grad_fn``); what is known of
-    each lies in lists indexed by that number. Hooks only log what they see: ``[node id, grad_inputs,
-    grad_outputs]`` in execution order, the gradients replaced by statistic slots as soon as their
-    norms are queued (at once for large tensors and leaves, in batches for small ones).
+    each lies in lists indexed by that number. Hooks only log what they see: a row ``(node id,
+    grad_inputs, grad_outputs)`` per call, in execution order. Statistics are slots whose norms are
+    queued at once for large tensors and leaves (such a row is a list of slots) and in batches for
+    small ones (a tuple of tensors until :meth:`flush`, which leaves the node id in its place).
     """
 
     def __init__(self, leaves: dict[int, _Leaf], input_names: dict[int, str], tracker: _ModuleTracker):
@@ -651,11 +657,16 @@ class _TraceSession:
         self.leaf_ids: list[int] = []  # the AccumulateGrad nodes
         self.next: list[tuple[int | None, ...]] = []
         # id(node) -> node id; self.nodes holds every node alive, so ids are not reused meanwhile
-        self.index: dict[int, int] = {}
-        self.handles: list[Any] = []
-        self.log: list[list[Any]] = []
-        self.pending: list[list[Any]] = []  # log entries whose small gradients wait for a batched norm
-        self.pending_numel = 0
+        self.index: dict[int, int | None] = {id(None): None}
+        self.handles: list[Any] = []  # what register_hook returned: our hooks' dicts (see _node_hooks), or handles
+        self._hook_key = object()  # our hooks' key in those dicts
+        self.log: list[Any] = []
+        self.flushed = 0  # rows before this one are node ids, their slots in self.slotted
+        # per flush, in call order: how many gradients each call sent and received, and their slots in a row
+        self.slotted: list[tuple[list[int], list[int]]] = []
+        self.pending = 0  # what waits since the last flush, in elements (see _make_run_hook)
+        self._lock = threading.Lock()  # norms queued one at a time, and flushes: hooks of two devices' threads
+        self._small_run_hook: Callable | None = None
         # id(tensor) -> (weak reference, version, slot): a large gradient a node sends on is usually the
         # very object the next node receives, so its norm is taken once
         self._seen: dict[int, tuple[Any, int, int]] = {}
@@ -684,42 +695,36 @@ class _TraceSession:
     # --- discovery -------------------------------------------------------------
     def discover(self, roots: Iterable[Any], in_backward: bool = False) -> None:
         """Number and hook every node reachable from ``roots`` that is not hooked yet."""
-        nodes, index, nexts = self.nodes, self.index, self.next
+        nodes, index, nexts, handles = self.nodes, self.index, self.next, self.handles
+        leaf_type, custom_type, partial, missing = self._leaf_type, self._custom_type, functools.partial, _MISSING
+        find, add_node, add_next, add_handle = index.get, nodes.append, nexts.append, handles.append
+        if self._small_run_hook is None:
+            self._small_run_hook = self._make_run_hook()
+        on_run = self._on_run_now if self.replay else self._small_run_hook
         start = len(nodes)
         for root in roots:
             if root is not None and id(root) not in index:
                 index[id(root)] = len(nodes)
                 nodes.append(root)
-        position = start
-        while position < len(nodes):  # breadth first: the new nodes are the queue
-            children = []
-            for child, _ in nodes[position].next_functions:
-                if child is None:
-                    children.append(None)
-                    continue
-                child_id = index.get(id(child))
-                if child_id is None:
-                    child_id = index[id(child)] = len(nodes)
-                    nodes.append(child)
-                children.append(child_id)
-            nexts.append(tuple(children))
-            position += 1
-        self._hook(start, in_backward)
-
-    def _hook(self, start: int, in_backward: bool) -> None:
-        leaf_type, custom_type, partial = self._leaf_type, self._custom_type, functools.partial
-        on_run, on_leaf_run = self._on_run_now if self.replay else self._on_run, self._on_run_now
-        handles, nodes = self.handles, self.nodes
-        for node_id in range(start, len(nodes)):
-            node = nodes[node_id]
-            if type(node) is leaf_type:
-                handles.append(node.register_hook(partial(on_leaf_run, node_id)))
-                self.leaf_ids.append(node_id)
-            elif isinstance(node, custom_type):
-                handles.append(node.register_prehook(partial(self._on_custom_start, node_id)))
-                handles.append(node.register_hook(partial(self._on_custom_run, node_id)))
-            else:
-                handles.append(node.register_hook(partial(on_run, node_id)))
+        # breadth first: the new nodes are the queue (a list iterator sees what is appended meanwhile)
+        with _node_hooks(self._hook_key):
+            for node_id, node in enumerate(itertools.islice(nodes, start, None), start):
+                children = []
+                for child, _ in node.next_functions:
+                    child_id = find(id(child), missing)  # index maps id(None) to None
+                    if child_id is missing:
+                        child_id = index[id(child)] = len(nodes)
+                        add_node(child)
+                    children.append(child_id)
+                add_next(tuple(children))
+                if type(node) is leaf_type:
+                    add_handle(node.register_hook(partial(self._on_run_now, node_id)))
+                    self.leaf_ids.append(node_id)
+                elif isinstance(node, custom_type):
+                    add_handle(node.register_prehook(partial(self._on_custom_start, node_id)))
+                    add_handle(node.register_hook(partial(self._on_custom_run, node_id)))
+                else:
+                    add_handle(node.register_hook(partial(on_run, node_id)))
         if in_backward:
             for node_id in range(start, len(nodes)):
                 self.created_in[node_id] = self.running_custom[-1] if self.running_custom else None
@@ -760,30 +765,34 @@ class _TraceSession:
             self.errors.append(traceback.format_exc())
 
     # --- hooks -------------------------------------------------------------------
-    def _on_run(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        """An ordinary node ran: log it; small gradients wait (held) for a batched norm."""
-        if self._replaying:  # a replayed backward that runs graph nodes of its own: not part of the trace
+    def _make_run_hook(self) -> Callable[[int, tuple, tuple], None]:
+        """The hook of an ordinary node (bound to its id by a partial): a closure, as it runs once per node."""
+        session, log = self, self.log
+        # what waits is weighed in elements, a call as much as PENDING_CALLS calls fill PENDING_NUMEL
+        small, most, per_call = SMALL_NUMEL, PENDING_NUMEL, PENDING_NUMEL // PENDING_CALLS
+
+        def on_run(node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+            """Log the call. Small gradients wait (held) for a batched norm; a large one is not kept: the
+            norms of a call's gradients are queued at once if one has more than SMALL_NUMEL elements.
+            Not used with --replay, so no replayed call comes here."""
+            try:
+                size = per_call
+                for grad in grad_inputs + grad_outputs:  # a loop: faster than map() and filter() on a few items
+                    if grad is not None:
+                        numel = grad.numel()
+                        if numel > small:
+                            session._log_now(node_id, grad_inputs, grad_outputs)
+                            return None
+                        size += numel
+                log.append((node_id, grad_inputs, grad_outputs))
+                session.pending += size
+                if session.pending > most:
+                    session.flush()
+            except Exception:  # never break the user's backward; report after it
+                session.errors.append(traceback.format_exc())
             return None
-        try:
-            entry = [node_id, grad_inputs, grad_outputs]
-            self.log.append(entry)
-            grads = grad_inputs + grad_outputs
-            numel = 0
-            for grad in grads:
-                if grad is not None:
-                    size = grad.numel()
-                    if size > SMALL_NUMEL:  # a large gradient is not kept: its norm is taken now
-                        self._stat_now(entry)
-                        return None
-                    numel += size
-            entry.append(grads)  # a pending entry: [node id, grad_inputs, grad_outputs, both]
-            self.pending.append(entry)
-            self.pending_numel += numel
-            if self.pending_numel > PENDING_NUMEL or len(self.pending) > PENDING_CALLS:
-                self.flush()
-        except Exception:  # never break the user's backward; report after it
-            self.errors.append(traceback.format_exc())
-        return None
+
+        return on_run
 
     def _on_custom_start(self, node_id: int, grad_outputs: Any) -> None:
         """A custom Function's backward is about to run: Python that may change gradients in place, or
@@ -804,7 +813,7 @@ class _TraceSession:
                 self.modes.pop().__exit__(None, None, None)
         except Exception:
             self.errors.append(traceback.format_exc())
-        return (self._on_run_now if self.replay else self._on_run)(node_id, grad_inputs, grad_outputs)
+        return (self._on_run_now if self.replay else self._small_run_hook)(node_id, grad_inputs, grad_outputs)
 
     def _on_run_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
         """AccumulateGrad (its ``.grad`` may be this very tensor, accumulated into later), or any node with
@@ -812,23 +821,22 @@ class _TraceSession:
         if self._replaying:
             return None
         try:
-            entry = [node_id, grad_inputs, grad_outputs]
-            self.log.append(entry)
-            self._stat_now(entry)
-            self.received.setdefault(node_id, []).append(entry[2])
+            row = self._log_now(node_id, grad_inputs, grad_outputs)
+            self.received.setdefault(node_id, []).append(row[2])
             if self.replay and node_id not in self.replays:
                 self.replays[node_id] = self._replay(node_id, grad_inputs, grad_outputs)
         except Exception:
             self.errors.append(traceback.format_exc())
         return None
 
-    def _stat_now(self, entry: list[Any]) -> None:
-        """Replace an entry's gradients by slots whose norms are queued now."""
-        if self._torch.is_grad_enabled():  # backward(create_graph=True): keep statistics out of the graph
-            with self._torch.no_grad():
-                entry[1], entry[2] = tuple(map(self._slot_now, entry[1])), tuple(map(self._slot_now, entry[2]))
-        else:
-            entry[1], entry[2] = tuple(map(self._slot_now, entry[1])), tuple(map(self._slot_now, entry[2]))
+    def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> list[Any]:
+        """Log a call with slots whose norms are queued now: ``[node id, grad_inputs slots, grad_outputs slots]``."""
+        with self._lock, contextlib.ExitStack() as context:
+            if self._torch.is_grad_enabled():  # backward(create_graph=True): keep statistics out of the graph
+                context.enter_context(self._torch.no_grad())
+            row = [node_id, tuple(map(self._slot_now, grad_inputs)), tuple(map(self._slot_now, grad_outputs))]
+            self.log.append(row)
+        return row
 
     def _slot_now(self, grad: Any) -> int:
         """The slot of a gradient, its norm queued once per tensor object and version, and once per block
@@ -863,23 +871,26 @@ class _TraceSession:
             pass
         return None
 
-    def flush(self, entries: list[list[Any]] | None = None) -> None:
-        """Take the norms of the pending entries' gradients in batches; the entries then hold slots."""
-        if entries is None:
-            entries, self.pending, self.pending_numel = self.pending, [], 0
-        # a snapshot: a hook on another device's thread may still append to the list just taken; what it
-        # appends is left for finish() to find
-        entries = list(entries)
-        if not entries:
-            return
-        with self._torch.no_grad():
-            slots = self.stats.batch(itertools.chain.from_iterable(map(operator.itemgetter(3), entries)))
-        slots[id(None)] = -1  # "no gradient"
-        slot_of = slots.__getitem__
-        for entry in entries:
-            entry[1] = tuple(map(slot_of, map(id, entry[1])))
-            entry[2] = tuple(map(slot_of, map(id, entry[2])))
-            del entry[3]
+    def flush(self) -> None:
+        """Take the norms of the gradients that wait in the log, in batches. Each row up to the end of the
+        log becomes its node id, its statistics a block of :attr:`slotted`."""
+        with self._lock:
+            # rows up to `end`: a hook on another device's thread may append meanwhile, for the next flush
+            start, end = self.flushed, len(self.log)
+            self.flushed, self.pending = end, 0
+            if start == end:
+                return
+            rows = self.log[start:end]
+            pairs = list(map(_GRADS, rows))
+            waiting = itertools.compress(pairs, map(operator.is_, map(type, rows), itertools.repeat(tuple)))
+            with self._torch.no_grad():
+                slots = self.stats.batch(itertools.chain.from_iterable(itertools.chain.from_iterable(waiting)))
+            tuples = list(itertools.chain.from_iterable(pairs))  # sent, received, sent, ...
+            grads = list(itertools.chain.from_iterable(tuples))
+            # a slot already in place (a row of _log_now) stays: it is alive, as are the tensors, so its id
+            # is none of theirs
+            self.slotted.append((list(map(len, tuples)), list(map(slots.get, map(id, grads), grads))))
+            self.log[start:end] = map(_NODE, rows)
 
     def _replay(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
         """Run the node's backward again from the gradients it received; queue the largest difference.
@@ -979,18 +990,14 @@ class _TraceSession:
         if self.errors:
             raise InternalError("a gradtrace hook failed during backward:\n" + self.errors[0])
         self.flush()
-        # a hook on another device's thread may have logged while a flush ran: take what it left behind
-        self.flush([entry for entry in self.log if len(entry) == 4])
         nodes = self.nodes
-        first_call: list[list[Any] | None] = [None] * len(nodes)
-        calls: dict[int, list[list[Any]]] = {}  # nodes that ran more than once: every call
-        for order, entry in enumerate(self.log):
-            node_id = entry[0]
-            entry[0] = order
-            if first_call[node_id] is None:
-                first_call[node_id] = entry
-            else:
-                calls.setdefault(node_id, [first_call[node_id]]).append(entry)
+        run_by = self.log  # each call's node id, in the order of the calls
+        first_call = dict(zip(reversed(run_by), range(len(run_by) - 1, -1, -1)))  # node id -> order of its first call
+        calls: dict[int, list[int]] = {}  # nodes that ran more than once: the order of every call
+        if len(first_call) < len(run_by):
+            for order, node_id in enumerate(run_by):
+                calls.setdefault(node_id, []).append(order)
+            calls = {node_id: orders for node_id, orders in calls.items() if len(orders) > 1}
         totals = {}  # a leaf that ran more than once: its .grad holds the sum
         with self._torch.no_grad():
             for node_id in calls:
@@ -1001,6 +1008,13 @@ class _TraceSession:
         values = self.stats.read()
         meta = replace(meta, loss=values[loss_position])
         stat = self.stats.records(values).__getitem__  # slot -1 is None
+        repeat, chain = itertools.repeat, itertools.chain.from_iterable
+        # per call, the statistics it sent and received; the last item (order -1) for nodes that did not run
+        stats = map(stat, chain(slots for _, slots in self.slotted))
+        pairs = list(map(tuple, map(itertools.islice, repeat(stats), chain(counts for counts, _ in self.slotted))))
+        sent, received = pairs[0::2], pairs[1::2]
+        sent.append(None)
+        received.append(None)
 
         keep = self._kept_ids(first_call)
         every = len(keep) == len(nodes)
@@ -1046,25 +1060,13 @@ class _TraceSession:
         creation += sorted((p for p in made if p in backward), key=seqs.__getitem__)  # threads number apart
         for rank, position in enumerate(creation):
             created[position] = rank
-        orders: list[int | None] = []
-        grad_inputs: list[Any] = []
-        grad_outputs: list[Any] = []
-        for old in keep:
-            entry = first_call[old]
-            if entry is None:
-                orders.append(None)
-                grad_inputs.append(None)
-                grad_outputs.append(None)
-            else:
-                orders.append(entry[0])
-                grad_inputs.append(tuple(map(stat, entry[1])))
-                grad_outputs.append(tuple(map(stat, entry[2])))
+        orders = list(map(first_call.get, keep))
+        grad_inputs = list(map(sent.__getitem__, map(first_call.get, keep, repeat(-1))))
+        grad_outputs = list(map(received.__getitem__, map(first_call.get, keep, repeat(-1))))
         every_call: list[tuple] = [()] * len(kept)
         for old, node_calls in calls.items():
             if old in position_of:
-                every_call[at(old)] = tuple(
-                    NodeCall(o, tuple(map(stat, i)), tuple(map(stat, g))) for o, i, g in node_calls
-                )
+                every_call[at(old)] = tuple(NodeCall(order, sent[order], received[order]) for order in node_calls)
                 if old in totals:
                     grad_outputs[at(old)] = (stat(totals[old]),)
         created_in = column({old: None if creator is None else at(creator) for old, creator in self.created_in.items()})
@@ -1102,7 +1104,7 @@ class _TraceSession:
         param_grads = tuple(sorted((name, stat(slot)) for name, slot in self.param_grads))
         return Trace(meta=meta, nodes=built, params_without_grad=missing, param_grads=param_grads)
 
-    def _kept_ids(self, first_call: list[Any]) -> list[int]:
+    def _kept_ids(self, first_call: dict[int, int]) -> list[int]:
         """Forward nodes, plus backward-created nodes that ran or are reachable from one that ran.
 
         A non-reentrant checkpoint's recompute builds a throwaway graph that never
@@ -1111,7 +1113,7 @@ class _TraceSession:
         if not self.created_in:
             return list(range(len(self.nodes)))
         keep = {i for i in range(len(self.nodes)) if i not in self.created_in}
-        queue = deque(i for i in self.created_in if first_call[i] is not None)
+        queue = deque(i for i in self.created_in if i in first_call)
         while queue:
             node_id = queue.popleft()
             if node_id in keep:
@@ -1122,8 +1124,7 @@ class _TraceSession:
 
     def close(self) -> None:
         """Remove every hook and leave no mode behind."""
-        for handle in self.handles:
-            handle.remove()
+        _remove_hooks(self.handles, self._hook_key)
         self.handles.clear()
         while self.modes:
             mode = self.modes.pop()
@@ -1142,19 +1143,88 @@ class _TraceSession:
         self.forward_values.clear()  # these hold nodes in forward order: leaves first
         self.custom_calls.clear()
         self.log.clear()
-        self.pending.clear()
         self.nodes.reverse()  # clear() drops the last item first: now that is the root
         self.nodes.clear()
         self.index.clear()
+        self.index[id(None)] = None
         self._seen.clear()
         self._blocks.clear()
+
+
+_NODE, _GRADS = operator.itemgetter(0), operator.itemgetter(1, 2)  # of a log row
+
+
+# Hook registration on graph nodes. node.register_hook() calls back into Python, torch's
+# Function._register_hook (on _HookMixin), which makes a RemovableHandle per hook: about 1 µs a node, a
+# third of the cost of hooking a graph of tiny ops. While _node_hooks() runs, that callback, for this
+# thread only, stores the hook under the session's key in the node's hook dict and returns the dict
+# itself as the handle (removed with ``handle.pop(key, None)``). Other threads, and torch versions
+# without that callback, get torch's own handles.
+class _Hooks(dict):
+    """A node's hook dict: a RemovableHandle made later (the user's) holds a weak reference to it."""
+
+    __slots__ = ("__weakref__",)
+
+
+_fast_hook_keys: dict[int, object] = {}  # thread -> key, while _node_hooks() runs in it
+_fast_hooks_lock = threading.Lock()
+_torch_register_hook: Any = None  # torch's own _HookMixin._register_hook while ours is in its place
+
+
+def _register_hook(hooks: Any, hook: Callable) -> tuple[Any, Any]:
+    key = _fast_hook_keys.get(threading.get_ident())
+    if key is None:
+        return _torch_register_hook.__func__(hooks, hook)
+    if hooks is None:
+        hooks = _Hooks()
+    hooks[key] = hook
+    return hooks, hooks
+
+
+@contextlib.contextmanager
+def _node_hooks(key: object) -> Iterator[None]:
+    global _torch_register_hook
+    from torch.autograd.function import _HookMixin
+
+    if not isinstance(_HookMixin.__dict__.get("_register_hook"), staticmethod):
+        yield  # another torch: its own handles
+        return
+    thread = threading.get_ident()
+    with _fast_hooks_lock:
+        if not _fast_hook_keys:
+            _torch_register_hook = _HookMixin.__dict__["_register_hook"]
+            _HookMixin._register_hook = staticmethod(_register_hook)
+        _fast_hook_keys[thread] = key
+    try:
+        yield
+    finally:
+        with _fast_hooks_lock:
+            del _fast_hook_keys[thread]
+            if not _fast_hook_keys:
+                _HookMixin._register_hook = _torch_register_hook
+
+
+def _remove_hooks(handles: list[Any], key: object) -> None:
+    """Remove hooks registered under :func:`_node_hooks` (dicts) or not (RemovableHandles)."""
+    kinds = list(map(isinstance, handles, itertools.repeat(dict)))
+    deque(map(dict.pop, itertools.compress(handles, kinds), itertools.repeat(key), itertools.repeat(None)), maxlen=0)
+    for handle in itertools.compress(handles, map(operator.not_, kinds)):
+        handle.remove()
 
 
 def _intervals_at(starts: list[int], values: list[Any], seqs: list[int]) -> list[Any]:
     """For each sequence number, the value of the last interval starting at or before it (None before
     the first). ``starts`` must be sorted."""
-    shifted = [None, *values]
-    return list(map(shifted.__getitem__, map(functools.partial(bisect.bisect_right, starts), seqs)))
+    if not starts or not seqs:
+        return [None] * len(seqs)
+    low, high = starts[0], starts[-1]
+    if high - low > 4 * len(seqs) + 4096 or min(seqs) < low:  # sparse, or some before the first: search each
+        shifted = [None, *values]
+        return list(map(shifted.__getitem__, map(functools.partial(bisect.bisect_right, starts), seqs)))
+    # a value per sequence number from the first start to the last (from there on, the last value)
+    spans = map(operator.sub, itertools.islice(starts, 1, None), starts)
+    every = dict(zip(range(low, high), itertools.chain.from_iterable(map(itertools.repeat, values, spans))))
+    return list(map(every.get, seqs, itertools.repeat(values[-1])))
 
 
 def _column(length: int, values: dict[int, Any]) -> Any:
