@@ -474,3 +474,21 @@ def test_interval_lookup_agrees_with_a_binary_search(starts, seqs):
     values = [f"site {i}" for i in range(len(starts))]
     expected = [None if bisect.bisect_right(starts, s) == 0 else values[bisect.bisect_right(starts, s) - 1] for s in seqs]
     assert _intervals_at(starts, values, seqs) == expected
+
+
+def test_hooks_of_both_kinds_are_removed():
+    """Hooks registered under _node_hooks (the handle is the node's hook dict) and torch's RemovableHandles."""
+    from tracer_cli.tracing import _node_hooks, _remove_hooks
+
+    x = torch.ones(2, requires_grad=True)
+    y = x + 1.0
+    calls = []
+    key = object()
+    torch_handle = y.grad_fn.register_hook(lambda gi, go: calls.append("torch's"))
+    with _node_hooks(key):
+        dict_handle = y.grad_fn.register_hook(lambda gi, go: calls.append("fast"))
+        other_node = y.grad_fn.next_functions[0][0].register_hook(lambda gi, go: calls.append("fast, own dict"))
+    assert isinstance(dict_handle, dict) and isinstance(other_node, dict)
+    _remove_hooks([dict_handle, torch_handle, other_node], key)
+    y.sum().backward()
+    assert calls == []

@@ -514,14 +514,14 @@ class _Stats:
         self.positions.append(self.positions[slot])
         return new
 
-    def batch(self, tensors: Iterable[Any]) -> dict[int, int]:
-        """A slot for each distinct tensor (by object), norms taken one op per shape and dtype.
+    def batch(self, tensors: list[Any], ids: list[int] | None = None) -> dict[int, int]:
+        """A slot for each distinct tensor (by object; ``ids``, if given, are their ids), norms taken one op
+        per shape and dtype.
 
         Returns ``id(tensor) -> slot``, with ``id(None) -> -1``. The tensors must stay alive meanwhile, so
         ids are unique. Per tensor, only C-level iteration runs (maps, a sort); Python runs per group.
         """
-        refs = list(tensors)
-        by_id = dict(zip(map(id, refs), refs))
+        by_id = dict(zip(map(id, tensors) if ids is None else ids, tensors))
         by_id.pop(id(None), None)
         distinct = list(by_id.values())
         count = len(distinct)
@@ -665,6 +665,7 @@ class _TraceSession:
         # per flush, in call order: how many gradients each call sent and received, and their slots in a row
         self.slotted: list[tuple[list[int], list[int]]] = []
         self.pending = 0  # what waits since the last flush, in elements (see _make_run_hook)
+        self._logged_now = False  # whether _log_now logged a row since the last flush
         self._lock = threading.Lock()  # norms queued one at a time, and flushes: hooks of two devices' threads
         self._small_run_hook: Callable | None = None
         # id(tensor) -> (weak reference, version, slot): a large gradient a node sends on is usually the
@@ -836,6 +837,7 @@ class _TraceSession:
                 context.enter_context(self._torch.no_grad())
             row = [node_id, tuple(map(self._slot_now, grad_inputs)), tuple(map(self._slot_now, grad_outputs))]
             self.log.append(row)
+            self._logged_now = True
         return row
 
     def _slot_now(self, grad: Any) -> int:
@@ -881,15 +883,19 @@ class _TraceSession:
             if start == end:
                 return
             rows = self.log[start:end]
-            pairs = list(map(_GRADS, rows))
-            waiting = itertools.compress(pairs, map(operator.is_, map(type, rows), itertools.repeat(tuple)))
+            chain = itertools.chain.from_iterable
+            tuples = list(chain(map(_GRADS, rows)))  # sent, received, sent, ...
+            grads = list(chain(tuples))
+            ids = list(map(id, grads))
             with self._torch.no_grad():
-                slots = self.stats.batch(itertools.chain.from_iterable(itertools.chain.from_iterable(waiting)))
-            tuples = list(itertools.chain.from_iterable(pairs))  # sent, received, sent, ...
-            grads = list(itertools.chain.from_iterable(tuples))
-            # a slot already in place (a row of _log_now) stays: it is alive, as are the tensors, so its id
-            # is none of theirs
-            self.slotted.append((list(map(len, tuples)), list(map(slots.get, map(id, grads), grads))))
+                if self._logged_now:  # some rows hold slots already (lists, from _log_now): only tuples wait
+                    waiting = itertools.compress(rows, map(operator.is_, map(type, rows), itertools.repeat(tuple)))
+                    slots = self.stats.batch(list(chain(chain(map(_GRADS, waiting)))))
+                else:
+                    slots = self.stats.batch(grads, ids)
+            self._logged_now = False
+            # a slot already in place stays: it is alive, as are the tensors, so its id is none of theirs
+            self.slotted.append((list(map(len, tuples)), list(map(slots.get, ids, grads))))
             self.log[start:end] = map(_NODE, rows)
 
     def _replay(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
@@ -1055,11 +1061,10 @@ class _TraceSession:
                 module = modules[at(creator)]
             modules[position], sources[position], stacks[position] = module, None, None
         created: list[int | None] = [None] * len(kept)
-        made = [p for p in range(len(kept)) if p not in leaves]
-        creation = sorted((p for p in made if p not in backward), key=seqs.__getitem__)
-        creation += sorted((p for p in made if p in backward), key=seqs.__getitem__)  # threads number apart
-        for rank, position in enumerate(creation):
-            created[position] = rank
+        made = list(itertools.filterfalse(leaves.__contains__, range(len(kept))))
+        creation = sorted(itertools.filterfalse(backward.__contains__, made), key=seqs.__getitem__)
+        creation += sorted(filter(backward.__contains__, made), key=seqs.__getitem__)  # threads number apart
+        deque(map(created.__setitem__, creation, range(len(creation))), maxlen=0)  # each node's rank
         orders = list(map(first_call.get, keep))
         grad_inputs = list(map(sent.__getitem__, map(first_call.get, keep, repeat(-1))))
         grad_outputs = list(map(received.__getitem__, map(first_call.get, keep, repeat(-1))))
@@ -1153,7 +1158,6 @@ class _TraceSession:
 
 _NODE, _GRADS = operator.itemgetter(0), operator.itemgetter(1, 2)  # of a log row
 
-
 # Hook registration on graph nodes. node.register_hook() calls back into Python, torch's
 # Function._register_hook (on _HookMixin), which makes a RemovableHandle per hook: about 1 µs a node, a
 # third of the cost of hooking a graph of tiny ops. While _node_hooks() runs, that callback, for this
@@ -1206,10 +1210,14 @@ def _node_hooks(key: object) -> Iterator[None]:
 
 def _remove_hooks(handles: list[Any], key: object) -> None:
     """Remove hooks registered under :func:`_node_hooks` (dicts) or not (RemovableHandles)."""
-    kinds = list(map(isinstance, handles, itertools.repeat(dict)))
-    deque(map(dict.pop, itertools.compress(handles, kinds), itertools.repeat(key), itertools.repeat(None)), maxlen=0)
-    for handle in itertools.compress(handles, map(operator.not_, kinds)):
-        handle.remove()
+    repeat = itertools.repeat
+    try:
+        deque(map(dict.pop, handles, repeat(key), repeat(None)), maxlen=0)
+    except TypeError:  # some are RemovableHandles: torch's own registration, or another torch
+        kinds = list(map(isinstance, handles, repeat(dict)))
+        deque(map(dict.pop, itertools.compress(handles, kinds), repeat(key), repeat(None)), maxlen=0)
+        for handle in itertools.compress(handles, map(operator.not_, kinds)):
+            handle.remove()
 
 
 def _intervals_at(starts: list[int], values: list[Any], seqs: list[int]) -> list[Any]:
