@@ -1016,8 +1016,9 @@ class _TraceSession:
         stat = self.stats.records(values).__getitem__  # slot -1 is None
         repeat, chain = itertools.repeat, itertools.chain.from_iterable
         # per call, the statistics it sent and received; the last item (order -1) for nodes that did not run
-        stats = map(stat, chain(slots for _, slots in self.slotted))
-        pairs = list(map(tuple, map(itertools.islice, repeat(stats), chain(counts for counts, _ in self.slotted))))
+        stats = tuple(map(stat, chain(slots for _, slots in self.slotted)))
+        ends = list(itertools.accumulate(chain(counts for counts, _ in self.slotted)))
+        pairs = list(map(stats.__getitem__, map(slice, [0, *ends], ends)))  # tuple slices
         sent, received = pairs[0::2], pairs[1::2]
         sent.append(None)
         received.append(None)
