@@ -5,23 +5,25 @@ How it works (see AUTOGRAD_FACTS.md for the measurements behind each choice):
 * Attribution. Module forward pre/post hooks record, at every module boundary,
   the autograd sequence number about to be assigned. A node created in forward
   belongs to the innermost module active when its ``_sequence_nr()`` was taken,
-  which a binary search over those boundaries finds. This also places nodes made
+  which a lookup over those boundaries finds. This also places nodes made
   inside an op (``TBackward0`` of ``F.linear``) and custom Function nodes.
 * Creation sites, the same way: line events of the user's frames (``sys.settrace``)
   mark the sequence number each line's ops take.
 * Hooks. After forward, the graph is walked from the loss and a post-hook is put
-  on every node. A hook only logs what the node received and sent. A large
-  gradient's norm is queued at once (a BLAS dot product on the gradient's
-  device), and the gradient is not kept; small gradients wait, and their norms
-  are taken in batches, one stack and one norm per shape and dtype, before a
-  custom Function's backward runs (Python that might change them in place) and
-  at the end. All values are read back in one transfer per device at the end,
-  so there is no host sync per node.
+  on every node (torch's registration callback, which makes a RemovableHandle per
+  hook, is replaced meanwhile: see _node_hooks). A hook only logs what the node
+  received and sent. A large gradient's norm is queued at once (a BLAS dot
+  product on the gradient's device), and the gradient is not kept; small
+  gradients wait, and their norms are taken in batches, one stack and one norm
+  per shape and dtype, before a custom Function's backward runs (Python that
+  might change them in place) and at the end. All values are read back in one
+  transfer per device at the end, so there is no host sync per node.
 * Nodes created during backward. Only Python code can create nodes while backward
   runs: a custom Function's backward (reentrant checkpointing recomputes its
   forward there). While such a node runs, a TorchFunctionMode hooks the nodes its
   ops create; they carry ``created_in``.
-* Cleanup. Every hook and the trace function are removed, each parameter's ``.grad``
+* Cleanup. Every hook and the trace function are removed (torch's registration
+  callback is put back as soon as the hooks are on), each parameter's ``.grad``
   and every module's training flag are restored in ``finally``, also when the user's
   code raises.
 """
