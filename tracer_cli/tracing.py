@@ -627,9 +627,10 @@ class _Stats:
     def records(self, values: list[float | None]) -> list[GradStat | None]:
         """A GradStat per slot, plus ``None`` at the end (so slot -1 reads as "no gradient")."""
         names = {dtype: _dtype_name(dtype) for dtype in set(self.dtypes)}
+        shapes = {shape: tuple(shape) for shape in set(self.shapes)}  # one tuple per distinct shape
         norms = map([*values, None].__getitem__, self.positions)  # NO_VALUE (-1) reads the None
         layouts = map(self.layouts.get, range(len(self.shapes))) if self.layouts else itertools.repeat(None)
-        fields = zip(map(tuple, self.shapes), map(names.__getitem__, self.dtypes), norms, layouts)
+        fields = zip(map(shapes.__getitem__, self.shapes), map(names.__getitem__, self.dtypes), norms, layouts)
         records: list[GradStat | None] = list(map(functools.partial(tuple.__new__, GradStat), fields))
         records.append(None)
         return records
@@ -666,7 +667,6 @@ class _TraceSession:
         self.flushed = 0  # rows before this one are node ids, their slots in self.slotted
         # per flush, in call order: how many gradients each call sent and received, and their slots in a row
         self.slotted: list[tuple[list[int], list[int]]] = []
-        self.pending = 0  # what waits since the last flush, in elements (see _make_run_hook)
         self._logged_now = False  # whether _log_now logged a row since the last flush
         self._lock = threading.Lock()  # norms queued one at a time, and flushes: hooks of two devices' threads
         self._small_run_hook: Callable | None = None
@@ -774,10 +774,13 @@ class _TraceSession:
         # what waits is weighed in elements, a call as much as PENDING_CALLS calls fill PENDING_NUMEL
         small, most, per_call = SMALL_NUMEL, PENDING_NUMEL, PENDING_NUMEL // PENDING_CALLS
 
+        waiting = 0  # elements, since this hook last flushed
+
         def on_run(node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
             """Log the call. Small gradients wait (held) for a batched norm; a large one is not kept: the
             norms of a call's gradients are queued at once if one has more than SMALL_NUMEL elements.
             Not used with --replay, so no replayed call comes here."""
+            nonlocal waiting
             try:
                 size = per_call
                 for grad in grad_inputs + grad_outputs:  # a loop: faster than map() and filter() on a few items
@@ -788,8 +791,9 @@ class _TraceSession:
                             return None
                         size += numel
                 log.append((node_id, grad_inputs, grad_outputs))
-                session.pending += size
-                if session.pending > most:
+                waiting += size
+                if waiting > most:
+                    waiting = 0
                     session.flush()
             except Exception:  # never break the user's backward; report after it
                 session.errors.append(traceback.format_exc())
@@ -881,7 +885,7 @@ class _TraceSession:
         with self._lock:
             # rows up to `end`: a hook on another device's thread may append meanwhile, for the next flush
             start, end = self.flushed, len(self.log)
-            self.flushed, self.pending = end, 0
+            self.flushed = end
             if start == end:
                 return
             rows = self.log[start:end]
@@ -1028,7 +1032,8 @@ class _TraceSession:
         keep = self._kept_ids(first_call)
         every = len(keep) == len(nodes)
         kept = nodes if every else [nodes[old] for old in keep]
-        position_of = {old: new for new, old in enumerate(keep)}  # old node id -> new
+        # old node id -> new (a range: the same number, and `in` tells which are kept)
+        position_of = range(len(nodes)) if every else {old: new for new, old in enumerate(keep)}
         at = position_of.__getitem__
 
         def column(values: dict[int, Any]) -> Any:  # a field that is None for most nodes
