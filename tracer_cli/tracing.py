@@ -840,9 +840,9 @@ class _TraceSession:
 
     def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> list[Any]:
         """Log a call with slots whose norms are queued now: ``[node id, grad_inputs slots, grad_outputs slots]``."""
-        with self._lock, contextlib.ExitStack() as context:
-            if self._torch.is_grad_enabled():  # backward(create_graph=True): keep statistics out of the graph
-                context.enter_context(self._torch.no_grad())
+        # backward(create_graph=True) runs hooks in grad mode: keep the statistics out of the graph
+        outside_graph = self._torch.no_grad() if self._torch.is_grad_enabled() else contextlib.nullcontext()
+        with self._lock, outside_graph:
             row = [node_id, tuple(map(self._slot_now, grad_inputs)), tuple(map(self._slot_now, grad_outputs))]
             self.log.append(row)
             self._logged_now = True
