@@ -122,6 +122,35 @@ def tiny_ops(count: int = 6000) -> Workload:
     return chain, (torch.randn(8),), lambda out: out.sum()
 
 
+def tiny_unary(count: int = 6000) -> Workload:
+    """``count`` calls of ``sin`` on an 8-element tensor: one node per op, the cheapest backward per node."""
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(count):
+            x = x.sin()
+        return x
+
+    return chain, (torch.randn(8),), lambda out: out.sum()
+
+
+class _ParamChain(nn.Module):
+    def __init__(self, count: int):
+        super().__init__()
+        self.count = count
+        self.weight = nn.Parameter(1 + 1e-4 * torch.randn(8))  # near 1: weight**count stays finite
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.count):
+            x = x * self.weight
+        return x
+
+
+def tiny_param(count: int = 6000) -> Workload:
+    """``count`` products with one 8-element parameter: every node sends two gradients, and the
+    parameter's AccumulateGrad receives ``count`` of them."""
+    return _ParamChain(count), (torch.randn(8),), lambda out: out.sum()
+
+
 def wide_mlp() -> Workload:
     """A wide MLP: 4 Linear layers of width 2048, batch 64."""
     layers: list[nn.Module] = []
@@ -174,6 +203,8 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
     "gpt2-style": gpt2_style,
     "resnet-style": resnet_style,
     "tiny-ops": tiny_ops,
+    "tiny-unary": tiny_unary,
+    "tiny-param": tiny_param,
     "wide-mlp": wide_mlp,
 }
 if importlib.util.find_spec("transformers") is not None:  # not a gradtrace dependency; imported when used

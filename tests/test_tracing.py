@@ -397,6 +397,27 @@ class Keeper(nn.Module):
         return y.sum()
 
 
+def test_the_session_is_freed_when_trace_returns_without_a_garbage_collection():
+    from tracer_cli import tracing
+
+    def chain(x):
+        for _ in range(50):
+            x = (x * 1.5).sin()
+        return x.sum()
+
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for replay in (False, True):
+            trace(chain, torch.randn(4), replay=replay)
+            # an object in a reference cycle stays listed until a collection frees it
+            assert not [o for o in gc.get_objects() if isinstance(o, tracing._TraceSession)]
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def test_graph_nodes_the_model_keeps_are_left_without_gradtrace_hooks():
     from torch.autograd.function import _HookMixin
 
@@ -475,3 +496,72 @@ def test_hooks_of_both_kinds_are_removed():
     _remove_hooks([dict_handle, torch_handle, other_node], key)
     y.sum().backward()
     assert calls == []
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _Named:
+    """A stand-in for nodes of the type torch gives C++ classes it has no type for: names differ."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def name(self):
+        return self._name
+
+
+def test_node_names_are_each_nodes_own_name():
+    """Names are asked once per node type where the type fixes them; a type that does not gets asked per node."""
+    from torch.utils import checkpoint
+
+    from tracer_cli.tracing import _node_names
+
+    x = torch.randn(4, 4, requires_grad=True)
+    y = x.clone()
+    y[0] = 1.0  # CopySlices, named torch::autograd::CopySlices
+    z = _Double.apply(y).sum() + checkpoint.checkpoint(torch.sin, x, use_reentrant=True).sum()
+    z = z + torch.nn.functional.linear(x, x).sum() + x.double().sum()
+    nodes = [z.grad_fn]
+    for node in nodes:
+        nodes += [child for child, _ in node.next_functions if child is not None and child not in nodes]
+    expected = [node.name() for node in nodes]
+    assert {"torch::autograd::AccumulateGrad", "torch::autograd::CopySlices", "_DoubleBackward"} <= set(expected)
+    assert _node_names(nodes) == expected
+    fakes = [_Named("A"), _Named("B"), *nodes, _Named("C")]
+    assert _node_names(fakes) == ["A", "B", *expected, "C"]
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        [torch.randn(8) for _ in range(5)],  # one shape, one dtype, contiguous: a single stack
+        [torch.randn(8) for _ in range(3)] + [torch.randn(8, dtype=torch.float64)],  # two dtypes
+        [torch.randn(8) for _ in range(3)] + [torch.randn(2, 4)],  # two shapes
+        [torch.randn(8) for _ in range(3)] + [torch.randn(1).expand(8)],  # one strided
+        [torch.randn(2, 3).t(), torch.randn(2, 3).t(), torch.randn(3, 2)],  # transposed and not
+        [torch.randn(0, 3), torch.randn(0, 3), torch.randn(8)],  # empty
+    ],
+)
+def test_batched_norms_are_each_tensors_own(tensors):
+    """However a batch is stacked (one stack, or one per shape, dtype and contiguity), each tensor gets
+    its own slot, shape, dtype and norm."""
+    from tracer_cli.tracing import _Stats
+
+    stats = _Stats()
+    batch = [*tensors, None, tensors[0]]  # no gradient, and a tensor twice: one slot
+    slots = stats.batch(batch)
+    assert len(stats.positions) == len(tensors) and slots[id(None)] == -1
+    values = stats.read()
+    for tensor in tensors:
+        slot = slots[id(tensor)]
+        assert tuple(stats.shapes[slot]) == tuple(tensor.shape) and stats.dtypes[slot] == tensor.dtype
+        expected = torch.linalg.vector_norm(tensor.double()).item()
+        assert values[stats.positions[slot]] == pytest.approx(expected, rel=1e-6, abs=1e-12)

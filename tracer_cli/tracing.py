@@ -530,10 +530,12 @@ class _Stats:
         base = len(self.shapes)
         slots = dict(zip(by_id, range(base, base + count)))
         slots[id(None)] = -1
-        shapes = list(map(_SHAPE, distinct))
         dtypes = list(map(_DTYPE, distinct))
-        self.shapes += shapes
         self.dtypes += dtypes
+        if count > 1 and self._one_stack(distinct, dtypes):
+            return slots
+        shapes = list(map(_SHAPE, distinct))
+        self.shapes += shapes
         try:
             # contiguous tensors apart: one strided member (an expanded gradient) makes a whole stack slow
             keys = list(zip(shapes, dtypes, map(self._torch.Tensor.is_contiguous, distinct), map(_LAYOUT, distinct)))
@@ -547,7 +549,7 @@ class _Stats:
         in_order: list[int] = []  # the position of each tensor, in `order`
         for group, members in itertools.groupby(order, key=groups.__getitem__):
             members = list(members)
-            shape, dtype, _, layout = keys[group]
+            _, dtype, _, layout = keys[group]
             if layout is not self._strided:
                 for index in members:
                     self.layouts[base + index] = str(layout).removeprefix("torch.")
@@ -555,14 +557,7 @@ class _Stats:
                 in_order += map(self._norm, map(distinct.__getitem__, members))
                 continue
             try:
-                stacked = self._torch.stack(list(map(distinct.__getitem__, members)))
-                stacked = stacked.reshape(len(members), math.prod(shape))
-                if dtype in self._wide:
-                    norms = self._vector_norm(stacked, dim=1)
-                else:
-                    norms = self._vector_norm(stacked, dim=1, dtype=self._float32)
-                first = self.value(norms)
-                in_order += range(first, first + len(members))
+                in_order += self._stacked_norms(self._torch.stack(list(map(distinct.__getitem__, members))), dtype)
             except Exception:  # tensors on several devices, or subclasses that refuse to stack: one by one
                 in_order += map(self._norm, map(distinct.__getitem__, members))
         if len(first_with_key) == 1:
@@ -572,6 +567,34 @@ class _Stats:
             deque(map(positions.__setitem__, order, in_order), maxlen=0)  # back in slot order
             self.positions += positions
         return slots
+
+    def _one_stack(self, tensors: list[Any], dtypes: list[Any]) -> bool:
+        """The norms of tensors of one shape and one dtype, all contiguous, with one stack (the usual batch on
+        a graph of tiny ops): what :meth:`batch` would do with them as one group, without grouping. False,
+        with nothing queued, for any other batch."""
+        torch = self._torch
+        dtype = dtypes[0]
+        try:
+            if dtypes.count(dtype) != len(dtypes) or not all(map(torch.Tensor.is_contiguous, tensors)):
+                return False
+            if not all(map(operator.is_, map(_LAYOUT, tensors), itertools.repeat(self._strided))):
+                return False
+            stacked = torch.stack(tensors)  # raises unless every shape is the same
+        except Exception:
+            return False
+        self.positions += self._stacked_norms(stacked, dtype)
+        self.shapes += itertools.repeat(tensors[0].shape, len(tensors))
+        return True
+
+    def _stacked_norms(self, stacked: Any, dtype: Any) -> range:
+        """Queue the norm of each of the stacked tensors (one op); their positions."""
+        rows = stacked.reshape(len(stacked), math.prod(stacked.shape[1:]))  # (-1 fails on empty tensors)
+        if dtype in self._wide:
+            norms = self._vector_norm(rows, dim=1)
+        else:
+            norms = self._vector_norm(rows, dim=1, dtype=self._float32)
+        first = self.value(norms)
+        return range(first, first + len(norms))
 
     def combined(self, tensors: list[Any]) -> int:
         """One slot for several tensors (the outputs of one multi-output op): their joint norm."""
@@ -659,8 +682,8 @@ class _TraceSession:
         self.nodes: list[Any] = []
         self.leaf_ids: list[int] = []  # the AccumulateGrad nodes
         self.next: list[tuple[int | None, ...]] = []
-        # id(node) -> node id; self.nodes holds every node alive, so ids are not reused meanwhile
-        self.index: dict[int, int | None] = {id(None): None}
+        # node -> node id (nodes compare and hash by identity)
+        self.index: dict[Any, int | None] = {None: None}
         self.handles: list[Any] = []  # what register_hook returned: our hooks' dicts (see _node_hooks), or handles
         self._hook_key = object()  # our hooks' key in those dicts
         self.log: list[Any] = []
@@ -708,17 +731,17 @@ class _TraceSession:
         on_run = self._on_run_now if self.replay else self._run_hook
         start = len(nodes)
         for root in roots:
-            if root is not None and id(root) not in index:
-                index[id(root)] = len(nodes)
+            if root is not None and root not in index:
+                index[root] = len(nodes)
                 nodes.append(root)
         # breadth first: the new nodes are the queue (a list iterator sees what is appended meanwhile)
         with _node_hooks(self._hook_key):
             for node_id, node in enumerate(itertools.islice(nodes, start, None), start):
                 children = []
                 for child, _ in node.next_functions:
-                    child_id = find(id(child), missing)  # index maps id(None) to None
+                    child_id = find(child, missing)  # index maps None to None
                     if child_id is missing:
-                        child_id = index[id(child)] = len(nodes)
+                        child_id = index[child] = len(nodes)
                         add_node(child)
                     children.append(child_id)
                 add_next(tuple(children))
@@ -1094,7 +1117,7 @@ class _TraceSession:
                 functools.partial(tuple.__new__, Node),
                 zip(
                     range(len(kept)),
-                    [node.name() for node in kept],
+                    _node_names(kept),
                     modules,
                     params,
                     orders,
@@ -1158,12 +1181,13 @@ class _TraceSession:
         self.forward_values.clear()  # these hold nodes in forward order: leaves first
         self.custom_calls.clear()
         self.log.clear()
+        self.index.clear()  # the nodes are still in self.nodes
+        self.index[None] = None
         self.nodes.reverse()  # clear() drops the last item first: now that is the root
         self.nodes.clear()
-        self.index.clear()
-        self.index[id(None)] = None
         self._seen.clear()
         self._blocks.clear()
+        self._run_hook = None  # it holds the session: freed now, not by a later garbage collection
 
 
 _NODE, _GRADS = operator.itemgetter(0), operator.itemgetter(1, 2)  # of a log row
@@ -1243,6 +1267,26 @@ def _intervals_at(starts: list[int], values: list[Any], seqs: list[int]) -> list
     spans = map(operator.sub, itertools.islice(starts, 1, None), starts)
     every = dict(zip(range(low, high), itertools.chain.from_iterable(map(itertools.repeat, values, spans))))
     return list(map(every.get, seqs, itertools.repeat(values[-1])))
+
+
+def _node_names(nodes: list[Any]) -> list[str]:
+    """``node.name()`` of each node, asked once per node type where the type fixes the name.
+
+    It does for a generated node type (named as its nodes are), a custom Function's node type (its
+    nodes are named by it) and every other type torch registers for one C++ class
+    (``torch._C._functions``); not for the type torch gives C++ classes it has no type for.
+    """
+    import torch
+
+    types = list(map(type, nodes))
+    names: dict[type, str | None] = {}
+    for node_type, node in dict(zip(types, nodes)).items():  # a node of each type
+        name = node.name()
+        fixed = name == node_type.__name__ or getattr(torch._C._functions, node_type.__name__, None) is node_type
+        names[node_type] = name if fixed else None
+    if None not in names.values():
+        return list(map(names.__getitem__, types))
+    return [names[node_type] or node.name() for node_type, node in zip(types, nodes)]
 
 
 def _column(length: int, values: dict[int, Any]) -> Any:
