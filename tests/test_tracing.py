@@ -565,3 +565,21 @@ def test_batched_norms_are_each_tensors_own(tensors):
         assert tuple(stats.shapes[slot]) == tuple(tensor.shape) and stats.dtypes[slot] == tensor.dtype
         expected = torch.linalg.vector_norm(tensor.double()).item()
         assert values[stats.positions[slot]] == pytest.approx(expected, rel=1e-6, abs=1e-12)
+
+
+def test_site_table_is_put_in_order_keeping_ties():
+    """A Function applied inside an op is marked before the op's own interval: the table is sorted by start,
+    marks with the same start keep their order (the later one wins a lookup)."""
+    from tracer_cli.tracing import _intervals_at, _SiteRecorder
+
+    recorder = _SiteRecorder()
+    recorder.starts += [10, 14, 15, 12, 16, 14]
+    recorder.sites += ["a", "function", "after function", "op", "after op", "later mark at 14"]
+    starts, sites = recorder.table()
+    assert starts == [10, 12, 14, 14, 15, 16]
+    assert sites == ["a", "op", "function", "later mark at 14", "after function", "after op"]
+    assert _intervals_at(starts, sites, [9, 11, 13, 14, 15, 99]) == [None, "a", "op", "later mark at 14", "after function", "after op"]
+    ordered = _SiteRecorder()
+    ordered.starts += [1, 2, 2, 5]
+    ordered.sites += ["w", "x", "y", "z"]
+    assert ordered.table() == ([1, 2, 2, 5], ["w", "x", "y", "z"])

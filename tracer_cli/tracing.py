@@ -354,10 +354,12 @@ class _SiteRecorder:
     def table(self) -> tuple[list[int], list[Any]]:
         """The interval starts, sorted, and the site of each (a Function applied inside an op is recorded
         before that op, so the order needs restoring; ties keep their order)."""
+        starts = self.starts
         if not self._sorted:
-            order = sorted(range(len(self.starts)), key=self.starts.__getitem__)
-            self.starts = [self.starts[i] for i in order]
-            self.sites = [self.sites[i] for i in order]
+            if not all(map(operator.le, starts, itertools.islice(starts, 1, None))):  # usually they are in order
+                order = sorted(range(len(starts)), key=starts.__getitem__)
+                self.starts = [starts[i] for i in order]
+                self.sites = [self.sites[i] for i in order]
             self._sorted = True
         return self.starts, self.sites
 
@@ -1256,17 +1258,10 @@ def _remove_hooks(handles: list[Any], key: object) -> None:
 
 def _intervals_at(starts: list[int], values: list[Any], seqs: list[int]) -> list[Any]:
     """For each sequence number, the value of the last interval starting at or before it (None before
-    the first). ``starts`` must be sorted."""
-    if not starts or not seqs:
-        return [None] * len(seqs)
-    low, high = starts[0], starts[-1]
-    if high - low > 4 * len(seqs) + 4096 or min(seqs) < low:  # sparse, or some before the first: search each
-        shifted = [None, *values]
-        return list(map(shifted.__getitem__, map(functools.partial(bisect.bisect_right, starts), seqs)))
-    # a value per sequence number from the first start to the last (from there on, the last value)
-    spans = map(operator.sub, itertools.islice(starts, 1, None), starts)
-    every = dict(zip(range(low, high), itertools.chain.from_iterable(map(itertools.repeat, values, spans))))
-    return list(map(every.get, seqs, itertools.repeat(values[-1])))
+    the first). ``starts`` must be sorted. A binary search each, in C: faster than a table per sequence
+    number, even where the numbers are dense."""
+    shifted = [None, *values]
+    return list(map(shifted.__getitem__, map(functools.partial(bisect.bisect_right, starts), seqs)))
 
 
 def _node_names(nodes: list[Any]) -> list[str]:
