@@ -867,13 +867,16 @@ class _TraceSession:
 
     def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> list[Any]:
         """Log a call with slots whose norms are queued now: ``[node id, grad_inputs slots, grad_outputs slots]``."""
-        # backward(create_graph=True) runs hooks in grad mode: keep the statistics out of the graph
-        outside_graph = self._torch.no_grad() if self._torch.is_grad_enabled() else contextlib.nullcontext()
-        with self._lock, outside_graph:
+        with self._lock, self._outside_graph():
             row = [node_id, tuple(map(self._slot_now, grad_inputs)), tuple(map(self._slot_now, grad_outputs))]
             self.log.append(row)
             self._logged_now = True
         return row
+
+    def _outside_graph(self) -> contextlib.AbstractContextManager:
+        """``no_grad()`` where grad mode is on (backward(create_graph=True) runs hooks in it, and flush() runs
+        after backward too), so statistics stay out of the graph; nothing to do in a plain backward."""
+        return self._torch.no_grad() if self._torch.is_grad_enabled() else contextlib.nullcontext()
 
     def _slot_now(self, grad: Any) -> int:
         """The slot of a gradient, its norm queued once per tensor object and version, and once per block
@@ -922,7 +925,7 @@ class _TraceSession:
             tuples = list(chain(map(_GRADS, rows)))  # sent, received, sent, ...
             grads = list(chain(tuples))
             ids = list(map(id, grads))
-            with self._torch.no_grad():
+            with self._outside_graph():
                 if self._logged_now:  # some rows hold slots already (lists, from _log_now): only tuples wait
                     waiting = itertools.compress(rows, map(operator.is_, map(type, rows), itertools.repeat(tuple)))
                     slots = self.stats.batch(list(chain(chain(map(_GRADS, waiting)))))
