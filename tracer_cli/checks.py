@@ -218,8 +218,7 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
     bad = trace.nonfinite_nodes()
     bad_ids = {node.id for node in bad}
     covered: set[int] = set()
-    origins = [node for node in bad if not any(side == "out" and stat.nonfinite_kind for side, _, stat in node.stats())]
-    for node in origins + bad:  # nodes reached from no origin (their input came from nowhere visible) count as origins
+    for node in trace.nonfinite_origins() + bad:  # nodes reached from no origin (their input came from nowhere visible) count as origins
         if node.id in covered:
             continue
         reached = _reach(trace, node.id, bad_ids)

@@ -454,21 +454,16 @@ class Trace:
         """Nodes with a NaN or infinite gradient, in execution order."""
         return [n for n in self.executed() if n.nonfinite_kind is not None]
 
-    def nonfinite_origin(self) -> Node | None:
-        """Where the first non-finite gradient came from.
+    def nonfinite_origins(self) -> list[Node]:
+        """The nodes that made a NaN or infinity, in execution order: each sent one on although every
+        gradient it received (in any call) was finite. Found even when a later node masks it again."""
+        return list(filter(_made_nonfinite, self.nonfinite_nodes()))
 
-        The first node in execution order whose grad_outputs are finite but whose
-        grad_inputs are not: the node that made the NaN or infinity, found even when a
-        later node masks it again. Failing that (the loss itself was not finite), the
-        first node with a non-finite gradient.
-        """
+    def nonfinite_origin(self) -> Node | None:
+        """Where the first non-finite gradient came from: the first of :meth:`nonfinite_origins`. Failing
+        that (the loss itself was not finite), the first node with a non-finite gradient."""
         nonfinite = self.nonfinite_nodes()
-        for node in nonfinite:
-            received = [s.nonfinite_kind for s in iter_stats(node.grad_outputs)]
-            sent = [s.nonfinite_kind for s in iter_stats(node.grad_inputs)]
-            if not any(received) and any(sent):
-                return node
-        return nonfinite[0] if nonfinite else None
+        return next(filter(_made_nonfinite, nonfinite), nonfinite[0] if nonfinite else None)
 
     @staticmethod
     def origin_kind(node: Node) -> str | None:
@@ -548,6 +543,11 @@ class Trace:
     def with_meta(self, **changes: Any) -> Trace:
         """A copy with some ``meta`` fields replaced (e.g. ``rank``)."""
         return replace(self, meta=replace(self.meta, **changes))
+
+
+def _made_nonfinite(node: Node) -> bool:
+    """Of a node with a non-finite gradient: whether every gradient it received was finite (so it made it)."""
+    return not any(side == "out" and stat.nonfinite_kind for side, _, stat in node.stats())
 
 
 def iter_stats(stats: Iterable[GradStat | None] | None) -> Iterator[GradStat]:
