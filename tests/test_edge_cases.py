@@ -19,8 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tracer_cli.errors import UserCodeError
-
 from .reference import (
     as_call_args,
     compare_with_hooks,
@@ -32,6 +30,7 @@ from .reference import (
     with_input_grads,
 )
 from tracer_cli import trace
+from tracer_cli.errors import UserCodeError
 
 
 def one(result, name, **criteria):
