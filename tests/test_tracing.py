@@ -583,3 +583,30 @@ def test_site_table_is_put_in_order_keeping_ties():
     ordered.starts += [1, 2, 2, 5]
     ordered.sites += ["w", "x", "y", "z"]
     assert ordered.table() == ([1, 2, 2, 5], ["w", "x", "y", "z"])
+
+
+def _check_rows(x, scale=None):
+    rows = x.shape[0]  # no node
+    if scale is None:
+        return x
+    return x * (scale + rows)  # a node: only in the third call
+
+
+def _calls_a_quiet_helper(x):
+    x = _check_rows(_check_rows(x))
+    y = _check_rows(x, scale=2.0)  # line 2 of this function
+    return (y.sin() + x).sum()
+
+
+def test_a_function_that_made_no_node_in_its_first_calls_is_not_traced_line_by_line():
+    """Its later nodes get the line that called it; every other node keeps its own line."""
+    result = trace(_calls_a_quiet_helper, torch.randn(3))
+    first = _calls_a_quiet_helper.__code__.co_firstlineno
+    (mul,) = result.find("MulBackward0")
+    assert mul.source.endswith(f"test_tracing.py:{first + 2}")  # the call, not the line inside _check_rows
+    (sin,) = result.find("SinBackward0")
+    assert sin.source.endswith(f"test_tracing.py:{first + 3}")
+    # traced from its first call, a function that makes a node keeps the node's own line
+    result = trace(lambda x: _check_rows(x, scale=1.0).sum(), torch.randn(3))
+    (mul,) = result.find("MulBackward0")
+    assert mul.source.endswith(f"test_tracing.py:{_check_rows.__code__.co_firstlineno + 4}")

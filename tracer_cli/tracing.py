@@ -316,15 +316,19 @@ class _SiteRecorder:
         A line marks the sequence number its ops will take; a user frame returning marks the line its
         caller goes on with. torch's and gradtrace's frames are not traced. On a graph of tiny ops this
         costs a fifth of a TorchFunctionMode call per op; on module-heavy models about the same.
+
+        A function whose first QUIET_AFTER calls made no node (a config's ``__getattribute__``, a helper
+        that checks shapes) is not traced line by line again: skipping such a call leaves the same table.
+        Should a later call of it make nodes, they get the line that called it.
         """
         skip, next_sequence_nr, mark = self.skip, self.next_sequence_nr, self._mark
         starts, sites = self.starts, self.sites  # extended in place while forward runs
         user_code: dict[Any, bool] = {}
+        idle_calls: dict[Any, int] = {}  # user code -> its calls so far, all without a node; -1: one made nodes
+        entered: dict[Any, int] = {}  # a traced frame -> the sequence number when it was entered
 
         def is_user(code: Any) -> bool:
-            user = user_code.get(code)
-            if user is None:
-                user = user_code[code] = not code.co_filename.startswith(skip)
+            user = user_code[code] = not code.co_filename.startswith(skip)
             return user
 
         def local(frame: Any, event: str, arg: Any) -> Any:
@@ -336,20 +340,37 @@ class _SiteRecorder:
                     starts.append(seq)
                     sites.append(site)
             elif event == "return":
-                caller = frame.f_back
-                while caller is not None and not is_user(caller.f_code):
+                seq, code = next_sequence_nr(), frame.f_code
+                calls = idle_calls.get(code, 0)
+                if entered.pop(frame, None) != seq:
+                    idle_calls[code] = -1
+                elif calls >= 0:
+                    idle_calls[code] = calls + 1
+                caller = frame.f_back  # the innermost user frame above (torch's module call frames between)
+                while caller is not None:
+                    user = user_code.get(caller.f_code)
+                    if user or (user is None and is_user(caller.f_code)):
+                        break
                     caller = caller.f_back
-                mark(next_sequence_nr(), None if caller is None else (caller.f_code.co_filename, caller.f_lineno))
+                mark(seq, None if caller is None else (caller.f_code.co_filename, caller.f_lineno))
             return local
 
-        def on_call(frame: Any, event: str, arg: Any) -> Any:
-            return local if is_user(frame.f_code) else None
+        def on_call(frame: Any, event: str, arg: Any) -> Any:  # every call in this thread: is_user() inlined
+            code = frame.f_code
+            user = user_code.get(code)
+            if user is None:
+                user = is_user(code)
+            if not user or idle_calls.get(code, 0) >= QUIET_AFTER:
+                return None
+            entered[frame] = next_sequence_nr()
+            return local
 
         sys.settrace(on_call)
         try:
             yield
         finally:
             sys.settrace(None)
+            entered.clear()  # frames still running now (the caller's): each would hold `local`, and it them
 
     def table(self) -> tuple[list[int], list[Any]]:
         """The interval starts, sorted, and the site of each (a Function applied inside an op is recorded
@@ -404,6 +425,8 @@ def _forward_mode_class() -> type:
 
     return _ForwardMode
 
+
+QUIET_AFTER = 2  # calls of a function that made no node, after which its lines are not traced
 
 # Gradients up to SMALL_NUMEL elements wait in their hook's record and get their norms in batches
 # (one stack and one norm per shape and dtype): a norm per tensor costs a dispatch (about 2.5 µs),
