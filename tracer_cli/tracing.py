@@ -1529,7 +1529,8 @@ def trace(
         for tensor, grad in saved_grads.values():
             tensor.grad = grad
         for module, flag in training:
-            module.training = flag
+            if module.training is not flag:  # nn.Module's __setattr__ costs microseconds: only where it changed
+                module.training = flag
         loss = None  # so that the session holds the last reference to the graph's root
         session.release()
         if gc_was_enabled:
