@@ -600,3 +600,27 @@ def test_a_function_that_made_no_node_in_its_first_calls_is_not_traced_line_by_l
     result = trace(lambda x: _check_rows(x, scale=1.0).sum(), torch.randn(3))
     (mul,) = result.find("MulBackward0")
     assert mul.source.endswith(f"test_tracing.py:{_check_rows.__code__.co_firstlineno + 4}")
+
+
+def test_nodes_gradtrace_itself_makes_have_no_creation_site():
+    """The loss rule's sum is gradtrace's op: it gets no site, not the line of whoever called trace() (under
+    the CLI, a line of Typer's). Line events, the per-op mode (another trace function is set) and --stack agree."""
+    import sys
+
+    def model(x):
+        return x * 2.0
+
+    def roots():
+        yield trace(model, torch.randn(3))
+        yield trace(model, torch.randn(3), stacks=True)
+        previous = sys.gettrace()
+        sys.settrace(lambda frame, event, arg: None)
+        try:
+            yield trace(model, torch.randn(3))
+        finally:
+            sys.settrace(previous)
+
+    for result in roots():
+        root, mul = result.nodes[0], result.find("MulBackward0")[0]
+        assert root.name == "SumBackward0" and root.source is None and root.stack is None
+        assert mul.source.endswith(f"test_tracing.py:{model.__code__.co_firstlineno + 1}")

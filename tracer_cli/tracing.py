@@ -262,6 +262,20 @@ def _library_prefixes() -> tuple[str, ...]:
     return _LIBRARY_PREFIXES
 
 
+def _user_frame(frame: Any, skip: tuple[str, ...]) -> Any:
+    """The innermost frame of the user's code from ``frame`` up, below the call of :func:`trace`; None for
+    an op gradtrace itself runs (the loss rule's sum): the frames above trace() are its caller's (the
+    CLI's, or the code that called it), not the model's."""
+    while frame is not None:
+        code = frame.f_code
+        if code is _TRACE_CODE:
+            return None
+        if not code.co_filename.startswith(skip):
+            return frame
+        frame = frame.f_back
+    return None
+
+
 class _SiteRecorder:
     """Creation sites: the user's source line behind each node, recorded at sequence-number boundaries.
 
@@ -285,10 +299,8 @@ class _SiteRecorder:
     def user_site(self, depth: int = 2) -> Any:
         """The innermost user frame as ``(path, line)``; with ``stacks``, every user frame (innermost first)
         as ``((path, line, function), ...)``, up to the call of ``trace()``."""
-        frame = sys._getframe(depth)
         skip = self.skip
-        while frame is not None and frame.f_code.co_filename.startswith(skip):
-            frame = frame.f_back
+        frame = _user_frame(sys._getframe(depth), skip)
         if frame is None:
             return None
         if not self.stacks:
@@ -351,7 +363,7 @@ class _SiteRecorder:
                     user = user_code.get(caller.f_code)
                     if user or (user is None and is_user(caller.f_code)):
                         break
-                    caller = caller.f_back
+                    caller = None if caller.f_code is _TRACE_CODE else caller.f_back  # not above trace()
                 mark(seq, None if caller is None else (caller.f_code.co_filename, caller.f_lineno))
             return local
 
@@ -413,9 +425,7 @@ def _forward_mode_class() -> type:
                     if sites.stacks:
                         site = sites.user_site()
                     else:
-                        frame, skip = sys._getframe(1), sites.skip
-                        while frame is not None and frame.f_code.co_filename.startswith(skip):
-                            frame = frame.f_back
+                        frame = _user_frame(sys._getframe(1), sites.skip)
                         site = None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
                     sites.starts += (first, after)
                     sites.sites += (site, None)
