@@ -262,6 +262,8 @@ def _library_prefixes() -> tuple[str, ...]:
     return _LIBRARY_PREFIXES
 
 
+QUIET_AFTER = 2  # calls of a function that made no node, after which its lines are not traced
+
 def _user_frame(frame: Any, skip: tuple[str, ...]) -> Any:
     """The innermost frame of the user's code from ``frame`` up, below the call of :func:`trace`; None for
     an op gradtrace itself runs (the loss rule's sum): the frames above trace() are its caller's (the
@@ -435,8 +437,6 @@ def _forward_mode_class() -> type:
 
     return _ForwardMode
 
-
-QUIET_AFTER = 2  # calls of a function that made no node, after which its lines are not traced
 
 # Gradients up to SMALL_NUMEL elements wait in their hook's record and get their norms in batches
 # (one stack and one norm per shape and dtype): a norm per tensor costs a dispatch (about 2.5 µs),
