@@ -264,6 +264,7 @@ def _library_prefixes() -> tuple[str, ...]:
 
 QUIET_AFTER = 2  # calls of a function that made no node, after which its lines are not traced
 
+
 def _user_frame(frame: Any, skip: tuple[str, ...]) -> Any:
     """The innermost frame of the user's code from ``frame`` up, below the call of :func:`trace`; None for
     an op gradtrace itself runs (the loss rule's sum): the frames above trace() are its caller's (the
