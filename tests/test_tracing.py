@@ -412,7 +412,7 @@ def test_the_session_is_freed_when_trace_returns_without_a_garbage_collection():
         for replay in (False, True):
             trace(chain, torch.randn(4), replay=replay)
             # an object in a reference cycle stays listed until a collection frees it
-            assert not [o for o in gc.get_objects() if isinstance(o, tracing._TraceSession)]
+            assert not [o for o in gc.get_objects() if type(o) is tracing._TraceSession]
     finally:
         if was_enabled:
             gc.enable()
@@ -430,7 +430,7 @@ def test_graph_nodes_the_model_keeps_are_left_without_gradtrace_hooks():
     assert _HookMixin.__dict__["_register_hook"] is torch_register
     gc.collect()
     # a hook left behind would hold the session (its hooks are bound to it)
-    assert not [o for o in gc.get_objects() if isinstance(o, tracing._TraceSession)]
+    assert not [o for o in gc.get_objects() if type(o) is tracing._TraceSession]
 
     # the kept graph runs again with only the user's hooks, and takes new ones with torch's handles, also on
     # a node that had only gradtrace's hook (torch's handle holds a weak reference to the node's hook dict)
