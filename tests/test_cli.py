@@ -403,3 +403,17 @@ def test_readme_documents_every_option():
         for param in sub.params:
             if param.param_type_name == "option" and "--help" not in param.opts:
                 assert any(opt in readme for opt in param.opts), f"README does not mention {param.opts}"
+
+
+def test_torchs_numpy_warning_does_not_open_the_output():
+    """Where NumPy is not installed, importing torch warns about it; gradtrace does not use NumPy."""
+    code = (
+        "import sys\n"
+        "sys.modules['numpy'] = None  # as where NumPy is not installed\n"
+        f"sys.argv = ['gradtrace', 'run', {str(SAMPLES / 'mlp.py')!r}]\n"
+        "from tracer_cli.cli import main\n"
+        "main()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "NumPy" not in result.stderr and "AddmmBackward0" in result.stdout

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -889,6 +890,9 @@ def diff(
 
 def main() -> None:
     """Console-script entry point."""
+    # Where NumPy is not installed, importing torch warns that it could not load it. gradtrace does not use
+    # NumPy (a model that does fails where it does), and the warning would open the output of every run.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     app(prog_name="gradtrace")
 
 
