@@ -193,9 +193,17 @@ class _ModuleTracker:
                 module.register_forward_hook(functools.partial(self._exit, name), always_call=True)
             )
 
+    # _enter and _exit run on every module call: _stack() and _mark() inlined (a Python call each costs,
+    # more so while creation sites are traced)
     def _enter(self, name: str, module: Any, args: Any) -> None:
-        self._stack().append(name)
-        self._mark()
+        local = self._local
+        stack = getattr(local, "stack", None)
+        if stack is None:
+            stack = local.stack = []
+        stack.append(name)
+        if threading.get_ident() == self._record_thread:
+            self.bound_seqs.append(self._next_sequence_nr())
+            self.bound_modules.append(name)
 
     def _exit(self, name: str, module: Any, args: Any, output: Any) -> None:
         stack = self._stack()
@@ -204,7 +212,9 @@ class _ModuleTracker:
             if stack[position] == name:
                 del stack[position:]
                 break
-        self._mark()
+        if threading.get_ident() == self._record_thread:
+            self.bound_seqs.append(self._next_sequence_nr())
+            self.bound_modules.append(stack[-1] if stack else None)
 
     def start_recording(self) -> None:
         self._record_thread = threading.get_ident()
