@@ -193,8 +193,8 @@ class _ModuleTracker:
                 module.register_forward_hook(functools.partial(self._exit, name), always_call=True)
             )
 
-    # _enter and _exit run on every module call: _stack() and _mark() inlined (a Python call each costs,
-    # more so while creation sites are traced)
+    # _enter and _exit run on every module call: _mark() inlined, and _stack() in _enter (a Python call
+    # each costs, more so while creation sites are traced)
     def _enter(self, name: str, module: Any, args: Any) -> None:
         local = self._local
         stack = getattr(local, "stack", None)
@@ -237,6 +237,7 @@ def _is_descendant(path: str, ancestor: str) -> bool:
     return path.startswith(ancestor + ".")
 
 
+@functools.cache  # a class made once, not per trace
 def _discovery_mode_class() -> type:
     from torch.overrides import TorchFunctionMode
 
@@ -410,6 +411,7 @@ class _SiteRecorder:
         return self.starts, self.sites
 
 
+@functools.cache  # a class made once, not per trace
 def _forward_mode_class() -> type:
     from torch.compiler import is_compiling
     from torch.overrides import TorchFunctionMode
