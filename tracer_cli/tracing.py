@@ -1310,9 +1310,17 @@ def _remove_hooks(handles: list[Any], key: object) -> None:
 def _intervals_at(starts: list[int], values: list[Any], seqs: list[int]) -> list[Any]:
     """For each sequence number, the value of the last interval starting at or before it (None before
     the first). ``starts`` must be sorted. A binary search each, in C: faster than a table per sequence
-    number, even where the numbers are dense."""
+    number, even where the numbers are dense. Where there are about as many intervals as numbers (a
+    site per op), most numbers start an interval: a dict finds those, a binary search the rest."""
     shifted = [None, *values]
-    return list(map(shifted.__getitem__, map(functools.partial(bisect.bisect_right, starts), seqs)))
+    position = functools.partial(bisect.bisect_right, starts)
+    if len(starts) < len(seqs) // 2:
+        return list(map(shifted.__getitem__, map(position, seqs)))
+    repeat = itertools.repeat
+    found = list(map(dict(zip(starts, values)).get, seqs, repeat(_MISSING)))  # ties: the last value, as bisect
+    misses = list(itertools.compress(range(len(seqs)), map(operator.is_, found, repeat(_MISSING))))
+    deque(map(found.__setitem__, misses, map(shifted.__getitem__, map(position, map(seqs.__getitem__, misses)))), maxlen=0)
+    return found
 
 
 def _node_names(nodes: list[Any]) -> list[str]:
