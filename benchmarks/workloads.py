@@ -133,6 +133,22 @@ def tiny_unary(count: int = 6000) -> Workload:
     return chain, (torch.randn(8),), lambda out: out.sum()
 
 
+def _step(x: torch.Tensor) -> torch.Tensor:
+    return (x * 1.0001).tanh()
+
+
+def tiny_calls(count: int = 6000) -> Workload:
+    """``count`` elementwise ops made in calls of a two-op Python function: a user frame entered and left
+    per two nodes, which creation sites pay for."""
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(count // 2):
+            x = _step(x)
+        return x
+
+    return chain, (torch.randn(8),), lambda out: out.sum()
+
+
 class _ParamChain(nn.Module):
     def __init__(self, count: int):
         super().__init__()
@@ -205,6 +221,7 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
     "tiny-ops": tiny_ops,
     "tiny-unary": tiny_unary,
     "tiny-param": tiny_param,
+    "tiny-calls": tiny_calls,
     "wide-mlp": wide_mlp,
 }
 if importlib.util.find_spec("transformers") is not None:  # not a gradtrace dependency; imported when used
