@@ -357,21 +357,8 @@ class _SiteRecorder:
             user = user_code[code] = not code.co_filename.startswith(skip)
             return user
 
-        def returned(frame: Any, seq: int) -> None:
-            """A user frame returns: its caller's line goes on (the innermost user frame above: torch's module
-            call frames may lie between)."""
-            caller = frame.f_back
-            while caller is not None:
-                user = user_code.get(caller.f_code)
-                if user or (user is None and is_user(caller.f_code)):
-                    break
-                caller = None if caller.f_code is _TRACE_CODE else caller.f_back  # not above trace()
-            mark(seq, None if caller is None else (caller.f_code.co_filename, caller.f_lineno))
-
-        # Two local trace functions, each inlining mark() for line events (once per line the user's code runs):
-        # `local` for a function not yet seen to make a node, whose calls are counted; `making` for one that has.
         def local(frame: Any, event: str, arg: Any) -> Any:
-            if event == "line":
+            if event == "line":  # mark(), inlined: once per line the user's code runs
                 seq, site = next_sequence_nr(), (frame.f_code.co_filename, frame.f_lineno)
                 if starts and starts[-1] == seq:
                     sites[-1] = site
@@ -379,27 +366,24 @@ class _SiteRecorder:
                     starts.append(seq)
                     sites.append(site)
             elif event == "return":
-                seq, code = next_sequence_nr(), frame.f_code
-                if entered.pop(frame, None) != seq:
-                    idle_calls[code] = -1
-                else:
-                    calls = idle_calls.get(code, 0)
-                    if calls >= 0:
-                        idle_calls[code] = calls + 1
-                returned(frame, seq)
+                seq = next_sequence_nr()
+                first = entered.pop(frame, None)
+                if first is not None:  # a call of a function not yet seen to make a node is counted
+                    code = frame.f_code
+                    if first != seq:
+                        idle_calls[code] = -1
+                    else:
+                        calls = idle_calls.get(code, 0)
+                        if calls >= 0:
+                            idle_calls[code] = calls + 1
+                caller = frame.f_back  # the innermost user frame above (torch's module call frames between)
+                while caller is not None:
+                    user = user_code.get(caller.f_code)
+                    if user or (user is None and is_user(caller.f_code)):
+                        break
+                    caller = None if caller.f_code is _TRACE_CODE else caller.f_back  # not above trace()
+                mark(seq, None if caller is None else (caller.f_code.co_filename, caller.f_lineno))
             return local
-
-        def making(frame: Any, event: str, arg: Any) -> Any:
-            if event == "line":
-                seq, site = next_sequence_nr(), (frame.f_code.co_filename, frame.f_lineno)
-                if starts and starts[-1] == seq:
-                    sites[-1] = site
-                else:
-                    starts.append(seq)
-                    sites.append(site)
-            elif event == "return":
-                returned(frame, next_sequence_nr())
-            return making
 
         def on_call(frame: Any, event: str, arg: Any) -> Any:  # every call in this thread: is_user() inlined
             code = frame.f_code
@@ -409,8 +393,8 @@ class _SiteRecorder:
             if not user:
                 return None
             calls = idle_calls.get(code, 0)
-            if calls < 0:
-                return making
+            if calls < 0:  # it made nodes: no longer counted
+                return local
             if calls >= QUIET_AFTER:
                 return None
             entered[frame] = next_sequence_nr()
