@@ -470,7 +470,8 @@ def test_hooks_registered_by_another_thread_meanwhile_get_torch_handles():
 @settings(max_examples=300, deadline=None)
 def test_interval_lookup_agrees_with_a_binary_search(starts, seqs):
     """Modules and creation sites are looked up by sequence number: the value of the last interval that
-    starts at or before it, None before the first."""
+    starts at or before it, None before the first. Lists of both sizes occur, so both the binary search
+    alone (few intervals) and the dict with a binary search for misses (many) are checked."""
     import bisect
 
     from tracer_cli.tracing import _intervals_at

@@ -1318,9 +1318,9 @@ def _remove_hooks(handles: list[Any], key: object) -> None:
 
 def _intervals_at(starts: list[int], values: list[Any], seqs: list[int]) -> list[Any]:
     """For each sequence number, the value of the last interval starting at or before it (None before
-    the first). ``starts`` must be sorted. A binary search each, in C: faster than a table per sequence
-    number, even where the numbers are dense. Where there are about as many intervals as numbers (a
-    site per op), most numbers start an interval: a dict finds those, a binary search the rest."""
+    the first). ``starts`` must be sorted. Where intervals are few (module boundaries), a binary search
+    each, in C (faster than a table per sequence number). Where there are about as many intervals as
+    numbers (a site per op), most numbers start one: a dict finds those, a binary search the rest."""
     shifted = [None, *values]
     position = functools.partial(bisect.bisect_right, starts)
     if len(starts) < len(seqs) // 2:
