@@ -1,4 +1,4 @@
-"""Library-level guarantees of trace(): interrupts, no retained tensors, GC state, create_graph, CUDA syncs."""
+"""Library-level guarantees of trace(): interrupts, no retained tensors, GC state, create_graph, host reads (CUDA syncs)."""
 
 from __future__ import annotations
 
@@ -162,6 +162,76 @@ def test_no_host_sync_per_node_on_cuda(monkeypatch):  # pragma: no cover - runs 
         assert result.leaf(name).grad_outputs[0].norm == pytest.approx(float(expected[name].norm()), rel=1e-4)
 
 
+def test_no_host_read_per_node_on_cpu(monkeypatch):
+    """What would synchronise with a GPU, checked on the CPU: no value is read to the host (``item()``,
+    ``bool()``, ``tolist()``, ``.cpu()``...) before the one read-back of every statistic at the end.
+
+    The CUDA test above checks the same with the driver's own sync detection; this one runs everywhere.
+    Reads are caught in two places: ops that read a tensor's value (by a dispatch mode, which also sees
+    the ops run by hooks during backward), and Tensor methods that copy to the host without an op on CPU.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tracer_cli import tracing
+
+    reading = []  # non-empty while _Stats.read runs
+    reads = []
+    early: list[str] = []  # host reads before the read-back
+
+    class HostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not reading and func.overloadpacket.__name__ in READING_OPS:
+                early.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def host_method(name):
+        original = getattr(torch.Tensor, name)
+
+        def method(self, *args, **kwargs):
+            if not reading and (name != "to" or _names_a_device(args, kwargs)):
+                early.append(name)
+            return original(self, *args, **kwargs)
+
+        return method
+
+    for name in ("tolist", "cpu", "numpy", "to"):
+        monkeypatch.setattr(torch.Tensor, name, host_method(name))
+    original_read = tracing._Stats.read
+
+    def read(self):
+        reads.append(self)
+        reading.append(True)
+        try:
+            return original_read(self)
+        finally:
+            reading.pop()
+
+    monkeypatch.setattr(tracing._Stats, "read", read)
+    torch.manual_seed(0)
+    small = [nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(20)]
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 16), *small)
+    x = torch.randn(128, 256)
+    assert model[0].weight.numel() > tracing.SMALL_NUMEL >= 128 * 16  # large gradients and small ones
+    with HostReads():
+        result = trace(model, x, loss_fn=lambda out: out.pow(2).mean())
+    assert early == []
+    assert len(reads) == 1
+    assert all(n.order is not None for n in result.nodes)
+    expected = plain_grads(model, (x,), loss_fn=lambda out: out.pow(2).mean())
+    for name in ("0.weight", "3.0.weight", "22.0.weight"):
+        assert result.leaf(name).grad_outputs[0].norm == pytest.approx(float(expected[name].norm()), rel=1e-4)
+
+
+# ops that read a tensor's values to the host (a sync on CUDA): item(), bool(), data-dependent shapes
+READING_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "equal", "allclose", "unique"}
+
+
+def _names_a_device(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``Tensor.to`` call names a device (a copy to the host on CUDA), not only a dtype."""
+    values = [*args, kwargs.get("device")]
+    return any(isinstance(v, (str, torch.device)) or isinstance(v, torch.Tensor) for v in values)
+
+
 def test_torch_compile_region_is_one_node_and_stays_whole():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -197,7 +267,7 @@ def test_forward_stats_are_the_norms_of_each_op_output():
         (node,) = result.find(name, module=module) if module is not None else result.find(name)
         assert node.forward.norm == pytest.approx(float(value), rel=1e-6)
     for name, param in model.named_parameters():
-        assert result.leaf(name).forward.norm == pytest.approx(float(param.norm()), rel=1e-6)
+        assert result.leaf(name).forward.norm == pytest.approx(float(param.detach().norm()), rel=1e-6)
     assert result.leaf("input:0").forward.norm == pytest.approx(float(x.norm()), rel=1e-6)
     # nodes made inside an op (F.linear's TBackward0) have no forward value of their own
     assert all(n.forward is None for n in result.find("TBackward0"))
