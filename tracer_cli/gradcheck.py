@@ -33,12 +33,12 @@ def recording_calls(calls: dict[int, tuple] | None, keep_args: bool, sites: Any 
     import torch
 
     function = torch.autograd.Function
-    original = function.__dict__["apply"]
+    original = function.__dict__["apply"]  # a classmethod; from torch 2.14 a C classmethod_descriptor
     next_sequence_nr = torch._C._autograd._get_sequence_nr
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         first = next_sequence_nr()
-        output = original.__func__(cls, *args, **kwargs)
+        output = original.__get__(None, cls)(*args, **kwargs)  # bound to cls: either kind of classmethod
         if sites is not None:  # the Function's node was numbered before its forward ran; after it, the
             site = sites.user_site()  # caller's line goes on
             sites.starts += (first, first + 1)
