@@ -422,8 +422,12 @@ class _SiteRecorder:
 
 @functools.cache  # a class made once, not per trace
 def _forward_mode_class() -> type:
-    from torch.compiler import is_compiling
     from torch.overrides import TorchFunctionMode
+
+    try:
+        from torch.compiler import is_compiling
+    except ImportError:  # torch < 2.3: dynamo's own (it is special-cased there)
+        from torch._dynamo.external_utils import is_compiling
 
     class _ForwardMode(TorchFunctionMode):
         """Per op in forward: the creation site of the nodes it makes, and (optionally) its output's norm."""
