@@ -232,6 +232,27 @@ def _names_a_device(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(v, (str, torch.device)) or isinstance(v, torch.Tensor) for v in values)
 
 
+def _sin_sum(x):
+    return x.sin().sum()
+
+
+def test_sources_are_relative_to_the_working_folder_of_each_trace(monkeypatch):
+    """A site's path is shown relative to the working folder when the trace ran in it (absolute outside it),
+    also after a trace in another folder."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve()
+    expected_line = _sin_sum.__code__.co_firstlineno + 1
+    for folder, shown in (
+        (here.parents[1], f"tests/{here.name}"),
+        (here.parents[1] / "sample_models", str(here)),
+        (here.parent, here.name),
+    ):
+        monkeypatch.chdir(folder)
+        (node,) = trace(_sin_sum, torch.ones(3)).find("SinBackward0")
+        assert node.source == f"{shown}:{expected_line}", folder
+
+
 def test_torch_compile_region_is_one_node_and_stays_whole():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

@@ -1388,12 +1388,18 @@ def _format_site(site: tuple[str, int] | None) -> str | None:
     return f"{_display_path(path)}:{line}"
 
 
-@functools.lru_cache(maxsize=1024)
 def _display_path(path: str) -> str:
     import os
 
+    return _relative_to(path, os.getcwd())  # the working folder may change between traces
+
+
+@functools.lru_cache(maxsize=1024)
+def _relative_to(path: str, folder: str) -> str:
+    import os
+
     try:
-        relative = os.path.relpath(path)
+        relative = os.path.relpath(path, folder)
     except ValueError:  # another drive (Windows)
         return path
     return path if relative.startswith("..") else relative
