@@ -29,7 +29,7 @@ from tracer_cli.checks import (
     parse_fail_on,
 )
 from tracer_cli.cli import app
-from tracer_cli.render.github import annotations, escape_data
+from tracer_cli.render.github import annotations, escape_data, escape_property
 from tracer_cli.tracing import trace
 
 from .reference import load_sample
@@ -414,8 +414,32 @@ def test_annotation_escaping():
     )
     lines = annotations([report])
     assert len(lines) == len(report.failures) == 2  # the NaN loss, and where the NaN gradient starts
-    assert all(line.startswith("::error ::gradtrace check line%0Abreak%25: nonfinite: ") for line in lines)
+    # each names this file's line that made the node (the lambda's)
+    command = re.compile(r"::error file=([^,:]+),line=(\d+)::gradtrace check line%0Abreak%25: nonfinite: ")
+    assert all(command.match(line) for line in lines), lines
     assert not any("\n" in line for line in lines)
+    assert escape_property("C:\\a,b%\n") == "C%3A\\a%2Cb%25%0A"
+
+
+def test_annotations_name_the_line_that_created_the_node(runner, monkeypatch):
+    """The finding's annotation carries the file and line GitHub shows it on, relative to the checkout."""
+    source = (SAMPLES / "nan_where.py").read_text().splitlines()
+    # independently: the line of the model's forward that calls torch.sqrt
+    (line,) = [number for number, text in enumerate(source, 1) if "= torch.where(h > 0, torch.sqrt(h)" in text]
+    result = check(runner, sample("nan_where"))
+    below = result.stdout.splitlines()[result.stdout.splitlines().index(rows(result.stdout, "FAIL")[0]) + 1]
+    assert below.strip() == f"created at {SAMPLES / 'nan_where.py'}:{line}"  # in the table, below the finding
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.setenv("GITHUB_WORKSPACE", str(ROOT))
+    result = check(runner, sample("nan_where"), sample("forgotten_layer"))
+    errors = [line for line in result.stdout.splitlines() if line.startswith("::error")]
+    assert errors[0].startswith(f"::error file=sample_models/nan_where.py,line={line}::"), errors[0]
+    assert errors[0].endswith(f"(created at {SAMPLES / 'nan_where.py'}:{line})")
+    # a parameter without gradient has no node, so no line: the annotation is the run's alone
+    assert all(line.startswith("::error ::") and "nograd" in line for line in errors[1:]) and len(errors) == 3
+    monkeypatch.setenv("GITHUB_WORKSPACE", str(ROOT / "tests"))  # a checkout the file is not in: as it is
+    result = check(runner, sample("nan_where"))
+    assert f"::error file={escape_property(str(SAMPLES / 'nan_where.py'))},line={line}::" in result.stdout
 
 
 # Library pieces -----------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ class Finding:
         param: the parameter (or input) concerned, or ``ALL_PARAMETERS`` for the total norm.
         value: the value found: a norm, or ``"nan"`` / ``"inf"``, or a divergence kind.
         ranks: under torchrun, the ranks where it was found (empty: a single process, or every rank).
+        source: ``path:line`` of the user's source line that created the node, where known.
     """
 
     kind: str
@@ -44,6 +45,7 @@ class Finding:
     param: str | None = None
     value: float | str | None = None
     ranks: tuple[int, ...] = ()
+    source: str | None = None
 
     @property
     def location(self) -> str:
@@ -63,7 +65,16 @@ class Finding:
     def message(self) -> str:
         """One self-contained sentence: where, then what."""
         ranks = f" (rank {', '.join(map(str, self.ranks))} only)" if self.ranks else ""
-        return f"{self.location}: {self.detail}{ranks}"
+        created = f" (created at {self.source})" if self.source else ""
+        return f"{self.location}: {self.detail}{ranks}{created}"
+
+    @property
+    def file_and_line(self) -> tuple[str, int] | None:
+        """``source`` split into its path and line number; None where unknown."""
+        if not self.source:
+            return None
+        path, _, line = self.source.rpartition(":")
+        return (path, int(line)) if path and line.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -162,6 +173,7 @@ def gradcheck_findings(trace: Trace) -> list[Finding]:
             name=node.name,
             module=node.module,
             value=node.gradcheck.mismatch,
+            source=node.source,
         )
         for node in trace.nodes
         if node.gradcheck is not None and node.gradcheck.passed is False
@@ -185,6 +197,7 @@ def replay_findings(trace: Trace) -> list[Finding]:
                 name=node.name,
                 module=node.module,
                 value=replay.relative,
+                source=node.source,
             )
         )
     return findings
@@ -213,6 +226,7 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
                 name=root.name if root else None,
                 module=root.module if root else None,
                 value=kind,
+                source=root.source if root else None,
             )
         )
     bad = trace.nonfinite_nodes()
@@ -261,7 +275,14 @@ def _nonfinite_finding(trace: Trace, origin: Node, reached: set[int]) -> Finding
         by = f" by #{maskers[0].id} {maskers[0].name}" if maskers and maskers[0].id != origin.id else " further on"
         detail += f"; masked{by}, so no parameter gradient shows it (a latent {kind})"
     return Finding(
-        "nonfinite", detail, node=origin.id, name=origin.name, module=origin.module, param=origin.param, value=kind
+        "nonfinite",
+        detail,
+        node=origin.id,
+        name=origin.name,
+        module=origin.module,
+        param=origin.param,
+        value=kind,
+        source=origin.source,
     )
 
 

@@ -654,7 +654,8 @@ def _finish_check(options: _Options, reports: list[Any], console: Any, prefix: s
             raise UsageError(f"cannot write {options.junit_xml}: {exc.strerror or exc}") from exc
         _stderr_console().print(f"{prefix}JUnit XML written to {options.junit_xml}", style="dim", markup=False)
     if in_github_actions(os.environ):
-        sys.stdout.write("".join(line + "\n" for line in annotations(reports)))
+        lines = annotations(reports, workspace=os.environ.get("GITHUB_WORKSPACE"))
+        sys.stdout.write("".join(line + "\n" for line in lines))
         sys.stdout.flush()
     errors = [r.exit_code for r in reports if r.error is not None]
     if errors:

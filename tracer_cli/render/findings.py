@@ -44,7 +44,7 @@ def findings_table(report: TargetReport) -> Table:
             _module(finding),
             _param(finding),
             format_value(finding.value),
-            finding.detail + (f" (rank {', '.join(map(str, finding.ranks))} only)" if finding.ranks else ""),
+            _what(finding),
         )
     return table
 
@@ -90,6 +90,14 @@ def _module(finding: Finding) -> str:
     if finding.module is None:
         return "(outside)" if finding.node is not None else "–"
     return finding.module or "<root>"
+
+
+def _what(finding: Finding) -> Text:
+    """The finding's detail and the ranks it was found on (if not all); below, the line that created the node."""
+    text = Text(finding.detail + (f" (rank {', '.join(map(str, finding.ranks))} only)" if finding.ranks else ""))
+    if finding.source:
+        text.append(f"\ncreated at {finding.source}", style="dim")
+    return text
 
 
 def _param(finding: Finding) -> str:

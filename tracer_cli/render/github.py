@@ -1,11 +1,14 @@
 """GitHub Actions workflow commands for findings: ``::error ::MESSAGE`` and ``::warning ::MESSAGE`` lines.
 
-GitHub shows them as annotations on the run. They are printed (on stdout, unprefixed, since a command
-must start its line) when ``GITHUB_ACTIONS=true``.
+GitHub shows them as annotations on the run; a finding whose node has a creation site names its file and
+line too (``::error file=model.py,line=28::MESSAGE``, the path relative to the checkout), so the
+annotation also shows on that line of the code. They are printed (on stdout, unprefixed, since a command must start its line) when
+``GITHUB_ACTIONS=true``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Mapping, Sequence
 
 from ..checks import TargetReport
@@ -20,8 +23,17 @@ def escape_data(text: str) -> str:
     return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
 
 
-def annotations(reports: Sequence[TargetReport]) -> list[str]:
-    """One line per finding (``::error`` when it fails, ``::warning`` when it warns), and per target error."""
+def escape_property(text: str) -> str:
+    """Escape a command's property value (``file=``, ``line=``): as a message, and ``:`` and ``,`` too."""
+    return escape_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def annotations(reports: Sequence[TargetReport], workspace: str | None = None) -> list[str]:
+    """One line per finding (``::error`` when it fails, ``::warning`` when it warns), and per target error.
+
+    ``workspace`` (``GITHUB_WORKSPACE``, the checkout): source paths inside it are given relative to it,
+    as GitHub matches them to the repository's files.
+    """
     lines = []
     for report in reports:
         if report.error is not None:
@@ -29,5 +41,19 @@ def annotations(reports: Sequence[TargetReport]) -> list[str]:
         for finding in report.failures + report.warnings:
             level = "error" if report.policy.fails(finding) else "warning"
             text = f"gradtrace check {report.target}: {finding.kind}: {finding.message}"
-            lines.append(f"::{level} ::{escape_data(text)}")
+            where = finding.file_and_line
+            properties = f"file={escape_property(_in_checkout(where[0], workspace))},line={where[1]}" if where else ""
+            lines.append(f"::{level} {properties}::{escape_data(text)}")
     return lines
+
+
+def _in_checkout(path: str, workspace: str | None) -> str:
+    """``path`` (absolute, or relative to the working folder) relative to ``workspace`` when it lies inside
+    it; otherwise as it is."""
+    if not workspace:
+        return path
+    try:
+        relative = os.path.relpath(os.path.abspath(path), workspace)
+    except ValueError:  # another drive (Windows)
+        return path
+    return path if relative.startswith("..") else relative
