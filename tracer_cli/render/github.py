@@ -2,7 +2,7 @@
 
 GitHub shows them as annotations on the run; a finding whose node has a creation site names its file and
 line too (``::error file=model.py,line=28::MESSAGE``, the path relative to the checkout), so the
-annotation also shows on that line of the code. They are printed (on stdout, unprefixed, since a command must start its line) when
+annotation also shows on that line of the code (where the file is the checkout's). They are printed (on stdout, unprefixed, since a command must start its line) when
 ``GITHUB_ACTIONS=true``.
 """
 
@@ -32,7 +32,7 @@ def annotations(reports: Sequence[TargetReport], workspace: str | None = None) -
     """One line per finding (``::error`` when it fails, ``::warning`` when it warns), and per target error.
 
     ``workspace`` (``GITHUB_WORKSPACE``, the checkout): source paths inside it are given relative to it,
-    as GitHub matches them to the repository's files.
+    as GitHub matches them to the repository's files; a line outside it is named in the message only.
     """
     lines = []
     for report in reports:
@@ -42,18 +42,19 @@ def annotations(reports: Sequence[TargetReport], workspace: str | None = None) -
             level = "error" if report.policy.fails(finding) else "warning"
             text = f"gradtrace check {report.target}: {finding.kind}: {finding.message}"
             where = finding.file_and_line
-            properties = f"file={escape_property(_in_checkout(where[0], workspace))},line={where[1]}" if where else ""
+            path = _in_checkout(where[0], workspace) if where else None
+            properties = f"file={escape_property(path)},line={where[1]}" if path and where else ""
             lines.append(f"::{level} {properties}::{escape_data(text)}")
     return lines
 
 
-def _in_checkout(path: str, workspace: str | None) -> str:
-    """``path`` (absolute, or relative to the working folder) relative to ``workspace`` when it lies inside
-    it; otherwise as it is."""
+def _in_checkout(path: str, workspace: str | None) -> str | None:
+    """``path`` (absolute, or relative to the working folder) relative to ``workspace``; None where it lies
+    outside it (a library's file, which GitHub cannot show). Without a workspace, ``path`` as it is."""
     if not workspace:
         return path
     try:
         relative = os.path.relpath(os.path.abspath(path), workspace)
     except ValueError:  # another drive (Windows)
-        return path
-    return path if relative.startswith("..") else relative
+        return None
+    return None if relative.startswith("..") else relative
