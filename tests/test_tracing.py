@@ -236,9 +236,9 @@ def _sin_sum(x):
     return x.sin().sum()
 
 
-def test_sources_are_relative_to_the_working_folder_of_each_trace(monkeypatch):
-    """A site's path is shown relative to the working folder when the trace ran in it (absolute outside it),
-    also after a trace in another folder."""
+def test_sources_are_relative_to_the_working_folder_of_each_trace(monkeypatch, tmp_path):
+    """A site's path is shown relative to the working folder when the trace ran in it (absolute outside it,
+    or when the working folder was deleted), also after a trace in another folder."""
     from pathlib import Path
 
     here = Path(__file__).resolve()
@@ -251,6 +251,12 @@ def test_sources_are_relative_to_the_working_folder_of_each_trace(monkeypatch):
         monkeypatch.chdir(folder)
         (node,) = trace(_sin_sum, torch.ones(3)).find("SinBackward0")
         assert node.source == f"{shown}:{expected_line}", folder
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    (node,) = trace(_sin_sum, torch.ones(3)).find("SinBackward0")
+    assert node.source == f"{here}:{expected_line}"
 
 
 def test_torch_compile_region_is_one_node_and_stays_whole():

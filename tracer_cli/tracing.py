@@ -1391,7 +1391,11 @@ def _format_site(site: tuple[str, int] | None) -> str | None:
 def _display_path(path: str) -> str:
     import os
 
-    return _relative_to(path, os.getcwd())  # the working folder may change between traces
+    try:
+        folder = os.getcwd()  # it may change between traces
+    except OSError:  # the working folder was deleted
+        return path
+    return _relative_to(path, folder)
 
 
 @functools.lru_cache(maxsize=1024)
