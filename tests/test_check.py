@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from tracer_cli.checks import (
     CheckPolicy,
     Finding,
+    TargetReport,
     Thresholds,
     check_traces,
     merge_rank_findings,
@@ -441,6 +442,17 @@ def test_annotations_name_the_line_that_created_the_node(runner, monkeypatch):
     result = check(runner, sample("nan_where"))
     (error,) = [line for line in result.stdout.splitlines() if line.startswith("::error")]
     assert error.startswith("::error ::") and f"(created at {SAMPLES / 'nan_where.py'}:{line})" in error
+
+
+def test_annotation_file_only_for_a_file_of_the_checkout(tmp_path):
+    """file= and line= where the source is a file inside the workspace; never for code with no file."""
+    inside, outside = tmp_path / "repo" / "model.py", tmp_path / "lib" / "layers.py"
+    sources = [f"{inside}:7", f"{outside}:9", "<string>:3", None, "model.py"]  # the last without a line
+    findings = tuple(Finding("nonfinite", "nan", node=i, name="SqrtBackward0", source=s) for i, s in enumerate(sources))
+    report = TargetReport("t", checks=("nonfinite",), findings=findings, policy=CheckPolicy.build(["nonfinite"]))
+    lines = annotations([report], workspace=str(tmp_path / "repo"))
+    assert [line.split("::")[1] for line in lines] == ["error file=model.py,line=7"] + ["error "] * 4
+    assert all(f"(created at {s})" in line for line, s in zip(lines, sources) if s)
 
 
 # Library pieces -----------------------------------------------------------------------------------

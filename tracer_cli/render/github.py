@@ -1,9 +1,9 @@
 """GitHub Actions workflow commands for findings: ``::error ::MESSAGE`` and ``::warning ::MESSAGE`` lines.
 
-GitHub shows them as annotations on the run; a finding whose node has a creation site names its file and
-line too (``::error file=model.py,line=28::MESSAGE``, the path relative to the checkout), so the
-annotation also shows on that line of the code (where the file is the checkout's). They are printed (on stdout, unprefixed, since a command must start its line) when
-``GITHUB_ACTIONS=true``.
+GitHub shows them as annotations on the run. A finding whose node was created in a file of the checkout
+names that file and line too (``::error file=model.py,line=28::MESSAGE``), so the annotation also
+shows on that line of the code. They are printed (on stdout, unprefixed, since a command must start
+its line) when ``GITHUB_ACTIONS=true``.
 """
 
 from __future__ import annotations
@@ -50,11 +50,14 @@ def annotations(reports: Sequence[TargetReport], workspace: str | None = None) -
 
 def _in_checkout(path: str, workspace: str | None) -> str | None:
     """``path`` (absolute, or relative to the working folder) relative to ``workspace``; None where it lies
-    outside it (a library's file, which GitHub cannot show). Without a workspace, ``path`` as it is."""
+    outside it (a library's file, which GitHub cannot show) or is no file (``<string>``). Without a
+    workspace, ``path`` as it is."""
+    if path.startswith("<"):
+        return None
     if not workspace:
         return path
     try:
         relative = os.path.relpath(os.path.abspath(path), workspace)
-    except ValueError:  # another drive (Windows)
+    except (ValueError, OSError):  # another drive (Windows), or the working folder was deleted
         return None
     return None if relative.startswith("..") else relative
