@@ -443,6 +443,7 @@ def test_fail_on_divergence_exits_1_under_torchrun(job):
 def test_fail_on_divergence_exits_1_under_builtin_launcher(job):
     j = job("structure_failon_launcher")
     assert j.returncode == 1, j
+    assert "failed" not in j.stderr, f"the verdict is reported as a failure of the ranks\n{j}"
     assert_line_discipline(j)
     assert_comparison_names(j, "structure", "SigmoidBackward0", "block2")
     assert_no_leftovers(j)
@@ -475,6 +476,9 @@ def test_rank_that_raises_ends_the_job_quickly(job, name, sample, exit_code):
     assert any("planted failure on rank 1" in line for line in rank1), j
     assert any(sample in line for line in rank1), f"rank 1's error lacks the user's traceback\n{j}"
     assert "internal error" not in j.stderr, f"a peer's failure is reported as a gradtrace bug\n{j}"
+    if name.endswith("_launcher"):  # the launcher names the rank that failed first, once
+        assert "gradtrace: rank 1 failed first (exit code 3)" in j.stderr, j
+        assert "failed (exitcode" not in j.stderr, f"the elastic agent's own line as well\n{j}"
     assert not j.json_path.exists(), "no merged file is written when a rank failed"
     assert_no_leftovers(j)
 

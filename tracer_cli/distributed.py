@@ -170,8 +170,11 @@ def launch(nproc_per_node: int, argv: Sequence[str]) -> int:
     no restarts; when a worker fails the others are stopped at once.
 
     Returns:
-        0, or the exit code of the first worker that failed (torchrun would flatten it to 1).
+        0, or the exit code of the first worker that failed (torchrun would flatten it to 1). A worker
+        exiting 1 gave the verdict (failing findings, printed by rank 0): nothing more is said of it.
     """
+    import logging
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -190,11 +193,18 @@ def launch(nproc_per_node: int, argv: Sequence[str]) -> int:
         start_method="spawn",
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks share the cores
+    # the elastic agent logs "failed (exitcode: N) local_rank: ..." for any non-zero exit, the verdict's
+    # too; which rank failed, and how, is said below
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_level = agent_log.level
+    agent_log.setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "tracer_cli", *argv)
     except ChildFailedError as exc:
         failures = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
         first_rank, first = failures[0]
+        if first.exitcode == ExitCode.GRADIENT_PROBLEMS:
+            return ExitCode.GRADIENT_PROBLEMS
         others = ", ".join(f"rank {rank} ({_describe_exit(f.exitcode)})" for rank, f in failures[1:])
         message = f"gradtrace: rank {first_rank} failed first ({_describe_exit(first.exitcode)})"
         sys.stderr.write(message + (f"; then {others}" if others else "") + "\n")
@@ -202,4 +212,6 @@ def launch(nproc_per_node: int, argv: Sequence[str]) -> int:
         return code if code > 0 else 128 - code if code < 0 else 1
     except SignalException:
         return ExitCode.INTERRUPTED
+    finally:
+        agent_log.setLevel(agent_level)
     return ExitCode.OK
