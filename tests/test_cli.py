@@ -84,6 +84,51 @@ def test_json_to_stdout_is_strict_and_alone(runner):
     assert set(document["meta"]["timings_s"]) == {"forward", "backward", "total"}
 
 
+def test_json_to_stdout_stays_alone_when_the_model_prints(tmp_path):
+    """With --json -, what the model file prints (print(), or C code writing to file descriptor 1) goes to
+    stderr: stdout is the JSON document alone, for a pipe into jq."""
+    path = write_model(
+        tmp_path,
+        """
+        import os
+
+        import torch
+        import torch.nn as nn
+
+        print("loading the model file")
+
+
+        class Chatty(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 2)
+
+            def forward(self, x):
+                print("in forward")
+                os.write(1, b"straight to fd 1\\n")
+                return self.fc(x)
+
+
+        def build_model():
+            return Chatty()
+
+
+        def example_inputs():
+            return torch.randn(3, 4)
+        """,
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "tracer_cli", "run", str(path), "--json", "-"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    document = strict_json(result.stdout)
+    assert document["meta"]["module_types"] == {"": "Chatty", "fc": "Linear"}
+    for printed in ("loading the model file", "in forward", "straight to fd 1"):
+        assert printed in result.stderr
+    result = subprocess.run([sys.executable, "-m", "tracer_cli", "run", str(path)], capture_output=True, text=True)
+    assert "in forward" in result.stdout and "straight to fd 1" in result.stdout  # without --json -: as printed
+
+
 def test_json_file_and_tree(runner, tmp_path):
     out = tmp_path / "trace.json"
     result = invoke(runner, "run", str(SAMPLES / "mlp.py"), "--json", str(out))

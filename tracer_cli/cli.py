@@ -5,13 +5,14 @@ torch is imported inside command bodies only, so ``gradtrace --help`` stays inst
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import traceback
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import typer
 
@@ -281,8 +282,9 @@ def run(
     no_input_grad: bool = _NO_INPUT_GRAD,
     loss: LossReduction = _LOSS,
     json_path: Optional[str] = typer.Option(
-        None, "--json", metavar="PATH", help="Write the trace as JSON to PATH; '-' writes it alone to stdout. "
-        "Under torchrun rank 0 writes one file with every rank and the comparison.",
+        None, "--json", metavar="PATH", help="Write the trace as JSON to PATH; '-' writes it alone to stdout "
+        "(what the model prints goes to stderr). Under torchrun rank 0 writes one file with every rank and the "
+        "comparison.",
         show_default=False,
     ),
     view: View = _VIEW,
@@ -536,28 +538,55 @@ def _trace(options: _Options, target: str, *, seed: int, device: str, rank: int 
     from .loading import prepare_run
     from .tracing import trace
 
-    prepared = prepare_run(
-        target, input_specs=options.input_specs, inputs_file=options.inputs_file, seed=seed, device=device
-    )
-    return trace(
-        prepared.loaded.model,
-        prepared.args,
-        prepared.kwargs,
-        loss_fn=prepared.loaded.loss_fn,
-        loss_reduction=options.loss,
-        input_grad=options.input_grad,
-        train=False if options.eval_mode else None,
-        target=target,
-        seed=seed,
-        # forward values let ranks, or two JSON files (gradtrace diff), be compared
-        forward_stats=world_size > 1 or options.json_path is not None,
-        rank=rank,
-        world_size=world_size,
-        replay=options.replay,
-        gradcheck=options.gradcheck,
-        sources=options.sources,
-        stacks=options.stack,
-    )
+    with _user_output_to_stderr(options.json_path == "-"):
+        prepared = prepare_run(
+            target, input_specs=options.input_specs, inputs_file=options.inputs_file, seed=seed, device=device
+        )
+        return trace(
+            prepared.loaded.model,
+            prepared.args,
+            prepared.kwargs,
+            loss_fn=prepared.loaded.loss_fn,
+            loss_reduction=options.loss,
+            input_grad=options.input_grad,
+            train=False if options.eval_mode else None,
+            target=target,
+            seed=seed,
+            # forward values let ranks, or two JSON files (gradtrace diff), be compared
+            forward_stats=world_size > 1 or options.json_path is not None,
+            rank=rank,
+            world_size=world_size,
+            replay=options.replay,
+            gradcheck=options.gradcheck,
+            sources=options.sources,
+            stacks=options.stack,
+        )
+
+
+@contextlib.contextmanager
+def _user_output_to_stderr(active: bool) -> Iterator[None]:
+    """With ``--json -``, what the user's code prints goes to stderr, so that stdout carries the JSON alone:
+    ``print()`` (sys.stdout) and writes to file descriptor 1 (C code, subprocesses) alike."""
+    if not active:
+        yield
+        return
+    import os
+
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1: Python-level output only
+        saved = None
+    try:
+        if saved is not None:
+            os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def _traced(options: _Options, target: str) -> Any:
