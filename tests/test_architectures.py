@@ -26,6 +26,7 @@ import collections
 import copy
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -1028,6 +1029,16 @@ class _Boom(torch.autograd.Function):
         raise RuntimeError("a broken custom backward")
 
 
+class _ExitInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        sys.exit(4)
+
+
 class _Failing(nn.Module):
     def __init__(self, where: str):
         super().__init__()
@@ -1039,11 +1050,14 @@ class _Failing(nn.Module):
         h = self.block(self.fc(x))
         if self.where == "forward":
             raise ValueError("a broken forward")
-        return _Boom.apply(h)
+        if self.where == "forward-exit":
+            sys.exit(4)
+        return (_ExitInBackward if self.where == "backward-exit" else _Boom).apply(h)
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("where", ["forward", "backward", "forward-exit", "backward-exit"])
 def test_model_left_as_found_when_user_code_raises(where):
+    """Also when it calls sys.exit(): reported as the model's error, not an exit of gradtrace."""
     from tracer_cli.errors import UserCodeError
 
     model = _Failing(where).eval()

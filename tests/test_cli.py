@@ -193,6 +193,37 @@ def test_package_module_target(runner, tmp_path, monkeypatch):
     assert "TanhBackward0" in result.stdout
 
 
+def test_model_file_sees_its_own_path_as_argv(runner, tmp_path):
+    """As under ``python model.py``: argparse at import takes its defaults, and gradtrace's argv comes back."""
+    path = write_model(
+        tmp_path,
+        """
+        import argparse
+        import json
+        import pathlib
+        import sys
+
+        import torch
+        import torch.nn as nn
+
+        pathlib.Path(__file__).with_name("argv.json").write_text(json.dumps(sys.argv))
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--width", type=int, default=3)
+        args = parser.parse_args()
+        model = nn.Linear(4, args.width)
+
+        def example_inputs():
+            return torch.randn(2, 4)
+        """,
+    )
+    before = list(sys.argv)
+    result = invoke(runner, "run", str(path), "--json", "-")
+    assert result.exit_code == 0, result.stderr
+    assert [n["grad_outputs"][0]["shape"] for n in strict_json(result.stdout)["nodes"] if n["param"] == "bias"] == [[3]]
+    assert json.loads((tmp_path / "argv.json").read_text()) == [str(path)]
+    assert sys.argv == before
+
+
 def test_eval_flag_and_mode_restored(runner, tmp_path):
     path = write_model(
         tmp_path,
@@ -241,6 +272,21 @@ def test_eval_flag_and_mode_restored(runner, tmp_path):
             ["ValueError: my model is broken", "model_file.py\", line 6", "raise ValueError"],
         ),
         ("raise ImportError('missing dependency foo')\n", [], 3, ["importing", "missing dependency foo"]),
+        ("import sys\nsys.exit('bye')\n", [], 3, ["importing", "SystemExit: bye", "sys.exit()"]),
+        (
+            "import argparse\nparser = argparse.ArgumentParser()\nparser.add_argument('--data', required=True)\n"
+            "args = parser.parse_args()\n",
+            [],
+            3,
+            ["SystemExit: 2", "argparse", "__main__"],
+        ),
+        (
+            "import sys\nimport torch\nimport torch.nn as nn\n\nclass Quits(nn.Module):\n    def forward(self, x):\n"
+            "        sys.exit(5)\n\nmodel = Quits()\ndef example_inputs():\n    return torch.randn(1)\n",
+            [],
+            3,
+            ["forward", "SystemExit: 5", "model_file.py\", line 7"],
+        ),
     ],
 )
 def test_errors_are_one_clear_message(runner, tmp_path, body, args, code, fragments):

@@ -54,6 +54,12 @@ class ModelError(GradtraceError):
     exit_code = ExitCode.MODEL
 
 
+# What the user's code may raise that gradtrace reports as its error (exit 3): any Exception, and SystemExit
+# (a model file that calls sys.exit(), or parses the command line at import: gradtrace's own arguments),
+# which would otherwise end gradtrace silently with the model's exit code. KeyboardInterrupt stays itself.
+USER_CODE_ERRORS = (Exception, SystemExit)
+
+
 class UserCodeError(ModelError):
     """The user's own code raised; carries the exception to show its trimmed traceback.
 
@@ -65,6 +71,11 @@ class UserCodeError(ModelError):
 
     def __init__(self, phase: str, exc: BaseException, hint: str | None = None):
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        if isinstance(exc, SystemExit) and hint is None:
+            hint = (
+                "the model's code called sys.exit() (argparse does on arguments it does not know): a model file is "
+                'imported, so keep script code under if __name__ == "__main__":'
+            )
         super().__init__(f"{phase} raised {summary}", hint)
         self.phase = phase
         self.original = exc

@@ -1,12 +1,13 @@
 """Target resolution: from ``model.py[:NAME]`` or ``package.module:NAME`` to a model, inputs and loss.
 
 The model-file contract (README "Model files"): the file is imported as a module
-(not as ``__main__``) with its own folder importable, and defines ``model`` or
-``build_model()``, optionally ``example_inputs()`` and ``loss_fn(output)``.
+(not as ``__main__``, with ``sys.argv`` ``[path]``) with its own folder importable, and defines ``model``
+or ``build_model()``, optionally ``example_inputs()`` and ``loss_fn(output)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -15,9 +16,9 @@ import re
 import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from .errors import ModelError, UsageError, UserCodeError
+from .errors import USER_CODE_ERRORS, ModelError, UsageError, UserCodeError
 
 DEFAULT_NAMES = ("model", "build_model")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -50,7 +51,7 @@ class LoadedTarget:
         if callable(value):
             try:
                 value = value()
-            except Exception as exc:
+            except USER_CODE_ERRORS as exc:
                 raise UserCodeError("example_inputs()", exc) from exc
         return split_inputs(value, "example_inputs()")
 
@@ -113,7 +114,7 @@ def _import_file(path: str) -> ModuleType:
         sys.modules.pop(module_name, None)
         where = f"{exc.filename}:{exc.lineno}" if exc.lineno else exc.filename
         raise ModelError(f"syntax error in {where}: {exc.msg}", hint=(exc.text or "").rstrip() or None) from exc
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
         sys.modules.pop(module_name, None)
         raise UserCodeError(f"importing {os.path.relpath(path)}", exc) from exc
     return module
@@ -131,7 +132,7 @@ def _import_module(dotted: str) -> ModuleType:
                 hint="install the package, run from its folder, or name a file: model.py[:NAME]",
             ) from exc
         raise UserCodeError(f"importing {dotted}", exc) from exc
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
         raise UserCodeError(f"importing {dotted}", exc) from exc
 
 
@@ -166,7 +167,7 @@ def resolve_model(value: Any, label: str) -> Any:
         return value  # a callable model such as def model(x, y)
     try:
         built = value()
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
         raise UserCodeError(f"{label}()", exc) from exc
     if not callable(built):
         raise ModelError(
@@ -199,6 +200,23 @@ def load_target(target: str) -> LoadedTarget:
         UserCodeError: the user's code raised while importing or building.
     """
     kind, location, name = split_target(target)
+    with _script_argv(location):
+        return _load(target, kind, location, name)
+
+
+@contextlib.contextmanager
+def _script_argv(location: str) -> Iterator[None]:
+    """``sys.argv`` is ``[location]`` while the target is imported and its model built, as under ``python
+    model.py``: gradtrace's own arguments are not the model file's (argparse at import would refuse them)."""
+    saved = sys.argv
+    sys.argv = [location]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def _load(target: str, kind: str, location: str, name: str | None) -> LoadedTarget:
     if kind == "file":
         source = _import_file(location)
         where = os.path.basename(location)

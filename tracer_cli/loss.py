@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from .errors import ModelError, UsageError, UserCodeError
+from .errors import USER_CODE_ERRORS, ModelError, UsageError, UserCodeError
 
 REDUCTIONS = ("sum", "mean")
 
@@ -75,7 +75,7 @@ def compute_loss(
     if loss_fn is not None:
         try:
             loss = loss_fn(output)
-        except Exception as exc:
+        except USER_CODE_ERRORS as exc:
             raise UserCodeError("loss_fn(output)", exc) from exc
         return _as_scalar(loss, "loss_fn(output)"), "loss_fn(output)"
     if isinstance(output, torch.Tensor) and output.dim() == 0 and output.is_floating_point():

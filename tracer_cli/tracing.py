@@ -46,7 +46,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
-from .errors import InternalError, ModelError, UserCodeError
+from .errors import USER_CODE_ERRORS, InternalError, ModelError, UserCodeError
 from .loss import compute_loss
 from .records import Gradcheck, GradStat, InputInfo, Meta, Node, NodeCall, Replay, Trace
 
@@ -1522,9 +1522,10 @@ def trace(
                 forward_context.enter_context(recording_calls(calls, keep_args=gradcheck, sites=session.sites))
             try:
                 output = model(*args, **kwargs)
-            except Exception as exc:
+            except USER_CODE_ERRORS as exc:
                 phase = "the model's forward" + _failing_module(exc, modules)
-                raise UserCodeError(phase, exc, hint=_input_hint(input_infos)) from exc
+                hint = None if isinstance(exc, SystemExit) else _input_hint(input_infos)
+                raise UserCodeError(phase, exc, hint=hint) from exc
             loss, loss_rule = compute_loss(output, loss_fn, loss_reduction)
         tracker.stop_recording()
         forward_done = time.perf_counter()
@@ -1547,7 +1548,7 @@ def trace(
         backward_start = time.perf_counter()
         try:
             loss.backward()
-        except Exception as exc:
+        except USER_CODE_ERRORS as exc:
             if session.errors:
                 raise InternalError("a gradtrace hook failed during backward:\n" + session.errors[0]) from exc
             raise UserCodeError("backward", exc) from exc
