@@ -39,6 +39,8 @@ from torch.utils.checkpoint import checkpoint
 
 from tracer_cli import trace
 
+from .reference import plain_grads
+
 REL = 1e-4
 ACCUMULATE = "torch::autograd::AccumulateGrad"
 
@@ -1068,3 +1070,52 @@ def test_model_left_as_found_when_user_code_raises(where):
     assert hook_snapshot(model) == hooks
     assert not any(m.training for m in model.modules())
     assert torch.equal(model.fc.weight.grad, torch.ones(3, 3)) and model.fc.bias.grad is None
+
+
+class _ScriptedBody(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) * 2
+
+
+class _WithScriptedBody(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(4, 8)
+        self.body = torch.jit.script(_ScriptedBody())
+
+    def forward(self, x):
+        return self.body(torch.tanh(self.pre(x)))
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script.* is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("scripted_root", [False, True])
+def test_torchscript_modules_are_traced_without_hooks(scripted_root):
+    """TorchScript modules take no hooks: their nodes belong to the nearest eager module above (the root's
+    own boundaries where the root is scripted); every gradient is still recorded, and the model is left as
+    found."""
+    torch.manual_seed(0)
+    model = torch.jit.script(_ScriptedBody()) if scripted_root else _WithScriptedBody()
+    x = torch.randn(5, 8 if scripted_root else 4)
+    hooks = hook_snapshot(model)
+    result = trace(model, (x,))
+    assert hook_snapshot(model) == hooks
+    prefix = "" if scripted_root else "body."
+    assert result.meta.module_types[prefix.rstrip(".")] == "_ScriptedBody"
+    # the scripted body's ops (their nodes depend on the TorchScript executor: one op each, or a single
+    # DifferentiableGraphBackward) belong to the root; pre's to pre; the loss rule's sum to no module
+    (loss_sum,) = result.find("SumBackward0")
+    assert loss_sum.module is None
+    ops = [n for n in result.nodes if not n.is_leaf and n is not loss_sum]
+    if not scripted_root:
+        assert sorted(n.name for n in ops if n.module == "pre") == ["AddmmBackward0", "TBackward0"]
+        assert result.leaf("pre.weight").module == "pre"
+    assert {n.module for n in ops if n.module != "pre"} == {""}, [(n.name, n.module) for n in ops]
+    assert result.leaf(f"{prefix}fc.weight").module == f"{prefix}fc"  # leaves by their parameter's name
+    expected = plain_grads(model, (x,))
+    assert set(expected) == {n.param for n in result.nodes if n.is_leaf}
+    for name, grad in expected.items():
+        assert result.leaf(name).grad_outputs[0].norm == pytest.approx(float(grad.norm()), rel=1e-5), name

@@ -159,6 +159,7 @@ class _ModuleTracker:
         self._handles: list[Any] = []
         self._record_thread: int | None = None
         self.compiled = False  # whether the model holds a torch.compile'd module
+        self.scripted_root = False  # whether the model itself is a TorchScript module (no hooks: see root_call)
         self.bound_seqs: list[int] = []
         self.bound_modules: list[str | None] = []
 
@@ -181,12 +182,17 @@ class _ModuleTracker:
     def install(self) -> None:
         # Hooks inside a torch.compile'd module would break its graph (and change what the user
         # compiled): hook the compiled wrapper only, which runs eagerly, and attribute its nodes to it.
+        # TorchScript modules take no hooks at all: their nodes belong to the nearest eager module above.
+        import torch
         import torch.nn as nn
 
         compiled = [name for name, module in self._modules if isinstance(getattr(module, "_orig_mod", None), nn.Module)]
         self.compiled = bool(compiled)
         for name, module in self._modules:
             if any(_is_descendant(name, prefix) for prefix in compiled):
+                continue
+            if isinstance(module, torch.jit.ScriptModule):
+                self.scripted_root = self.scripted_root or name == ""
                 continue
             self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, name)))
             self._handles.append(
@@ -215,6 +221,18 @@ class _ModuleTracker:
         if threading.get_ident() == self._record_thread:
             self.bound_seqs.append(self._next_sequence_nr())
             self.bound_modules.append(stack[-1] if stack else None)
+
+    @contextlib.contextmanager
+    def root_call(self) -> Iterator[None]:
+        """Around the model's call: the root module's boundaries where it has no hooks (TorchScript)."""
+        if not self.scripted_root:
+            yield
+            return
+        self._enter("", None, ())
+        try:
+            yield
+        finally:
+            self._exit("", None, (), None)
 
     def start_recording(self) -> None:
         self._record_thread = threading.get_ident()
@@ -1521,7 +1539,8 @@ def trace(
                 calls = session.custom_calls if gradcheck or replay else None
                 forward_context.enter_context(recording_calls(calls, keep_args=gradcheck, sites=session.sites))
             try:
-                output = model(*args, **kwargs)
+                with tracker.root_call():
+                    output = model(*args, **kwargs)
             except USER_CODE_ERRORS as exc:
                 phase = "the model's forward" + _failing_module(exc, modules)
                 hint = None if isinstance(exc, SystemExit) else _input_hint(input_infos)
@@ -1568,7 +1587,7 @@ def trace(
             rank=rank,
             world_size=world_size,
             training=_training_flag(modules),
-            module_types={name: type(module).__name__ for name, module in modules},
+            module_types={name: _module_type(module) for name, module in modules},
         )
         result = session.finish(meta, loss)
         timings = {
@@ -1590,6 +1609,11 @@ def trace(
         session.release()
         if gc_was_enabled:
             gc.enable()
+
+
+def _module_type(module: Any) -> str:
+    """The module's class name; a TorchScript module's is that of the class it was scripted from."""
+    return getattr(module, "original_name", None) or type(module).__name__
 
 
 def _training_flag(modules: list[tuple[str, Any]]) -> bool | None:
