@@ -256,6 +256,7 @@ def test_eval_flag_and_mode_restored(runner, tmp_path):
         (MLP_FILE, ["-i", "float32[3,5]"], 3, ["forward in module '0' (Linear)", "RuntimeError", "float32[3, 5]"]),
         (MLP_FILE, ["--filter", "("], 2, ["--filter"]),
         (MLP_FILE, ["--device", "nonsense"], 2, ["invalid device"]),
+        (MLP_FILE, ["--device", "meta"], 2, ["'meta' holds no values"]),
         (
             "import torch\nimport torch.nn as nn\nmodel = nn.Linear(2, 2)\nfor p in model.parameters():\n"
             "    p.requires_grad_(False)\ndef example_inputs():\n    return torch.randn(1, 2)\n",

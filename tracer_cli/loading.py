@@ -271,6 +271,8 @@ def parse_device(device: str) -> Any:
         raise UsageError(f"invalid device {device!r}", hint="e.g. cpu, cuda, cuda:1") from exc
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"device {device!r} was asked for, but CUDA is not available here", hint="use --device cpu")
+    if parsed.type == "meta":
+        raise UsageError("device 'meta' holds no values, so there are no gradients to measure", hint="use --device cpu")
     return parsed
 
 
