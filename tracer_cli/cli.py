@@ -573,13 +573,15 @@ def _user_output_to_stderr(active: bool) -> Iterator[None]:
     import os
 
     sys.stdout.flush()
+    saved: int | None = None
     try:
         saved = os.dup(1)
-    except OSError:  # no file descriptor 1: Python-level output only
-        saved = None
-    try:
+        os.dup2(2, 1)
+    except OSError:  # no file descriptor 1 or 2: Python-level output only
         if saved is not None:
-            os.dup2(2, 1)
+            os.close(saved)
+            saved = None
+    try:
         with contextlib.redirect_stdout(sys.stderr):
             yield
     finally:
