@@ -585,7 +585,8 @@ def _user_output_to_stderr(active: bool) -> Iterator[None]:
         with contextlib.redirect_stdout(sys.stderr):
             yield
     finally:
-        sys.stderr.flush()
+        if sys.stderr is not None:  # None where Python started with file descriptor 2 closed
+            sys.stderr.flush()
         if saved is not None:
             os.dup2(saved, 1)
             os.close(saved)
