@@ -224,6 +224,21 @@ def test_model_file_sees_its_own_path_as_argv(runner, tmp_path):
     assert sys.argv == before
 
 
+@pytest.mark.parametrize("option", ["--json", "--svg", "--html", "--dot"])
+def test_unwritable_output_is_refused_before_the_model_runs(runner, tmp_path, option):
+    marker = tmp_path / "imported"
+    path = write_model(tmp_path, f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n" + textwrap.dedent(MLP_FILE))
+    result = invoke(runner, "run", str(path), option, str(tmp_path / "missing" / "out"))
+    assert result.exit_code == 2, result.stderr
+    assert "cannot write" in result.stderr and "no folder" in result.stderr
+    result = invoke(runner, "run", str(path), option, str(tmp_path))  # a folder, not a file
+    assert result.exit_code == 2 and "it is a folder" in result.stderr
+    assert not marker.exists()  # refused before the model file was imported
+    result = invoke(runner, "run", str(path), option, str(tmp_path / "out"))
+    assert result.exit_code == 0, result.stderr
+    assert marker.exists() and (tmp_path / "out").stat().st_size > 0
+
+
 def test_eval_flag_and_mode_restored(runner, tmp_path):
     path = write_model(
         tmp_path,

@@ -443,6 +443,10 @@ def _options(ctx: typer.Context) -> _Options:
             hint="name model files (gradtrace check model.py other.py) or set targets = [...] in [tool.gradtrace] "
             "of pyproject.toml",
         )
+    outputs = [params.get("json_path"), params.get("junit_xml"), *(params.get(kind) for kind in ("svg", "html", "dot"))]
+    for path in outputs:
+        if path is not None and path != "-":
+            _check_writable(path)
     inputs = params["inputs"]
     return _Options(
         command=command,
@@ -478,6 +482,23 @@ def _options(ctx: typer.Context) -> _Options:
         sources=not params.get("no_sources", False),
         exports={kind: params[kind] for kind in ("svg", "html", "dot") if params.get(kind)},
     )
+
+
+def _check_writable(path: str) -> None:
+    """Refuse an output file that cannot be written before the model runs, not after (a folder that is
+    missing or not writable, or a folder given as the file)."""
+    import os
+
+    from .errors import UsageError
+
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise UsageError(f"cannot write {path}: it is a folder")
+    if not folder.is_dir():
+        raise UsageError(f"cannot write {path}: no folder {str(folder)!r}")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f"cannot write {path}: permission denied")
 
 
 def _with_config(ctx: typer.Context, config: Any) -> dict[str, Any]:
