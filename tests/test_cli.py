@@ -273,6 +273,12 @@ def test_eval_flag_and_mode_restored(runner, tmp_path):
         (MLP_FILE, ["--device", "nonsense"], 2, ["invalid device"]),
         (MLP_FILE, ["--device", "meta"], 2, ["'meta' holds no values"]),
         (
+            "import torch.nn as nn\n\nclass Net(nn.Module):\n    def __init__(self, hidden):\n        super().__init__()\n",
+            [":Net"],
+            3,
+            ["missing 1 required positional argument", "Net takes arguments (hidden)", "build_model()"],
+        ),
+        (
             "import torch\nimport torch.nn as nn\nmodel = nn.Linear(2, 2)\nfor p in model.parameters():\n"
             "    p.requires_grad_(False)\ndef example_inputs():\n    return torch.randn(1, 2)\n",
             ["--no-input-grad"],

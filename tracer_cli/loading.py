@@ -142,14 +142,20 @@ def _is_factory(value: Any) -> bool:
         return True
     if not (inspect.isfunction(value) or inspect.ismethod(value)):
         return False
+    return _required_parameters(value) == []
+
+
+def _required_parameters(callable_: Any) -> list[str] | None:
+    """The names of the parameters a call of ``callable_`` requires; None where they cannot be read."""
     try:
-        signature = inspect.signature(value)
+        parameters = inspect.signature(callable_).parameters.values()
     except (TypeError, ValueError):
-        return False
-    return all(
-        p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        for p in signature.parameters.values()
-    )
+        return None
+    return [
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
 
 
 def resolve_model(value: Any, label: str) -> Any:
@@ -168,7 +174,14 @@ def resolve_model(value: Any, label: str) -> Any:
     try:
         built = value()
     except USER_CODE_ERRORS as exc:
-        raise UserCodeError(f"{label}()", exc) from exc
+        required = _required_parameters(value) if inspect.isclass(value) and isinstance(exc, TypeError) else None
+        hint = (
+            f"{value.__name__} takes arguments ({', '.join(required)}): define build_model() returning "
+            f"{value.__name__}(...) in the file, and run that"
+            if required
+            else None
+        )
+        raise UserCodeError(f"{label}()", exc, hint=hint) from exc
     if not callable(built):
         raise ModelError(
             f"{label}() returned a {type(built).__name__}, not a model",
