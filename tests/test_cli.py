@@ -273,7 +273,8 @@ def test_eval_flag_and_mode_restored(runner, tmp_path):
         (MLP_FILE, ["--device", "nonsense"], 2, ["invalid device"]),
         (MLP_FILE, ["--device", "meta"], 2, ["'meta' holds no values"]),
         (
-            "import torch.nn as nn\n\nclass Net(nn.Module):\n    def __init__(self, hidden):\n        super().__init__()\n",
+            "import torch.nn as nn\n\nclass Net(nn.Module):\n    def __init__(self, hidden):\n"
+            "        super().__init__()\n",
             [":Net"],
             3,
             ["missing 1 required positional argument", "Net takes arguments (hidden)", "build_model()"],
