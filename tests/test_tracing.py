@@ -229,7 +229,7 @@ READING_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", 
 def _names_a_device(args: tuple, kwargs: dict) -> bool:
     """Whether a ``Tensor.to`` call names a device (a copy to the host on CUDA), not only a dtype."""
     values = [*args, kwargs.get("device")]
-    return any(isinstance(v, (str, torch.device)) or isinstance(v, torch.Tensor) for v in values)
+    return any(isinstance(v, (str, torch.device, torch.Tensor)) for v in values)
 
 
 def _sin_sum(x):

@@ -64,9 +64,13 @@ class Finding:
     @property
     def message(self) -> str:
         """One self-contained sentence: where, then what."""
-        ranks = f" (rank {', '.join(map(str, self.ranks))} only)" if self.ranks else ""
         created = f" (created at {self.source})" if self.source else ""
-        return f"{self.location}: {self.detail}{ranks}{created}"
+        return f"{self.location}: {self.detail}{self.ranks_note}{created}"
+
+    @property
+    def ranks_note(self) -> str:
+        """`` (rank 1 only)`` where the finding is on some ranks only; else empty."""
+        return f" (rank {', '.join(map(str, self.ranks))} only)" if self.ranks else ""
 
     @property
     def file_and_line(self) -> tuple[str, int] | None:

@@ -443,8 +443,8 @@ def _options(ctx: typer.Context) -> _Options:
             hint="name model files (gradtrace check model.py other.py) or set targets = [...] in [tool.gradtrace] "
             "of pyproject.toml",
         )
-    outputs = [params.get("json_path"), params.get("junit_xml"), *(params.get(kind) for kind in ("svg", "html", "dot"))]
-    for path in outputs:
+    exports = {kind: params[kind] for kind in ("svg", "html", "dot") if params.get(kind)}
+    for path in (params.get("json_path"), params.get("junit_xml"), *exports.values()):
         if path is not None and path != "-":
             _check_writable(path)
     inputs = params["inputs"]
@@ -480,7 +480,7 @@ def _options(ctx: typer.Context) -> _Options:
         gradcheck=params.get("gradcheck", False),
         stack=params.get("stack", False),
         sources=not params.get("no_sources", False),
-        exports={kind: params[kind] for kind in ("svg", "html", "dot") if params.get(kind)},
+        exports=exports,
     )
 
 

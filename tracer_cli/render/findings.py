@@ -94,7 +94,7 @@ def _module(finding: Finding) -> str:
 
 def _what(finding: Finding) -> Text:
     """The finding's detail and the ranks it was found on (if not all); below, the line that created the node."""
-    text = Text(finding.detail + (f" (rank {', '.join(map(str, finding.ranks))} only)" if finding.ranks else ""))
+    text = Text(finding.detail + finding.ranks_note)
     if finding.source:
         text.append(f"\ncreated at {finding.source}", style="dim")
     return text
