@@ -38,6 +38,8 @@ import pytest
 import torch
 from torch import nn
 
+from .reference import load_sample
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 120
 FAILING_JOB_TIMEOUT_S = 90
@@ -173,6 +175,10 @@ JOBS: dict[str, tuple[Callable[[str], list[str]], float]] = {
         JOB_TIMEOUT_S,
     ),
     "ddp_rank_seed": (lambda j: torchrun("sample_models/dist_ddp.py", "--rank-seed", "--json", j), JOB_TIMEOUT_S),
+    "fsdp_launcher": (
+        lambda j: launcher("sample_models/dist_fsdp.py", "--fail-on", "divergence,nonfinite,nograd", "--json", j),
+        JOB_TIMEOUT_S,
+    ),
     "structure": (lambda j: torchrun("sample_models/dist_structure.py", "--json", j), JOB_TIMEOUT_S),
     "forward": (lambda j: launcher("sample_models/dist_forward.py", "--json", j), JOB_TIMEOUT_S),
     "backward": (lambda j: torchrun("sample_models/dist_backward.py", "--json", j, module=True), JOB_TIMEOUT_S),
@@ -404,6 +410,47 @@ def test_rank_seed_gives_different_inputs_but_no_node_divergence(job):
     assert notes, f"rank 0's comparison does not say that the inputs differ by rank\n{j}"
     # ... and no node of either tree is marked as differing across ranks
     assert divergence_marks(j) == [], f"--rank-seed marks nodes as divergent\n{j}"
+
+
+def _has_fsdp2() -> bool:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_fsdp2(), reason="FSDP2 (torch.distributed.fsdp.fully_shard) is in torch 2.6 and later")
+def test_fsdp2_unsharded_leaves_named_and_full_gradient_norms(job):
+    """dist_fsdp: FSDP2's graph leaves are unsharded copies of the sharded parameters, swapped in while
+    a module runs; each is named after its parameter, and each parameter's gradient (a sharded
+    DTensor after backward) is normed over the whole parameter. Both match a plain single-process
+    backward of the same model and input (every rank has the same input, so FSDP's average is it)."""
+    j = job("fsdp_launcher")
+    assert j.returncode == 0, j
+    assert_line_discipline(j)
+    doc = j.document()
+    assert_merged_document(doc, j)
+    assert doc["comparison"]["first_divergent"] is None
+    assert doc["comparison"]["unsynchronized_params"] == []
+
+    sample = load_sample("dist_fsdp")
+    torch.manual_seed(0)  # what gradtrace does: the seed (default 0) before the model and again before the inputs
+    model = sample.build_model()  # no process group here: the plain model
+    torch.manual_seed(0)
+    sample.loss_fn(model(sample.example_inputs())).backward()
+    expected = {name: param.grad.norm().item() for name, param in model.named_parameters()}
+
+    for trace in doc["ranks"]:
+        leaves = {n["param"]: n for n in trace["nodes"] if n["param"] and not n["param"].startswith("input:")}
+        assert set(leaves) == set(expected), trace["meta"]["rank"]
+        assert trace["summary"]["params_without_grad"] == []
+        for name, norm in expected.items():
+            assert leaves[name]["module"] == name.rsplit(".", 1)[0]
+            assert leaves[name]["grad_outputs"][0]["norm"] == pytest.approx(norm, rel=1e-5), name
+            assert trace["param_grads"][name]["norm"] == pytest.approx(norm, rel=1e-5), name
+            assert trace["param_grads"][name]["shape"] == list(model.get_parameter(name).shape)
+    assert_no_leftovers(j)
 
 
 # One sample per divergence kind ----------------------------------------------------------------------

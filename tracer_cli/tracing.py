@@ -150,11 +150,15 @@ def _prepare_inputs(args: tuple, kwargs: dict, input_grad: bool) -> tuple[tuple,
 class _ModuleTracker:
     """Module forward hooks: the active-module stack and the sequence-number boundaries."""
 
-    def __init__(self, modules: list[tuple[str, Any]]):
+    def __init__(self, modules: list[tuple[str, Any]], leaves: dict[int, _Leaf]):
         import torch
 
         self._next_sequence_nr = torch._C._autograd._get_sequence_nr  # per thread, like _sequence_nr()
         self._modules = modules
+        self._leaves = leaves
+        # id(parameter) -> _Leaf: parameters a module held while it ran that are not the model's own, e.g.
+        # FSDP2's unsharded parameters (swapped in before a module runs, the sharded ones put back after)
+        self.held: dict[int, _Leaf] = {}
         self._local = threading.local()
         self._handles: list[Any] = []
         self._record_thread: int | None = None
@@ -210,6 +214,12 @@ class _ModuleTracker:
         if threading.get_ident() == self._record_thread:
             self.bound_seqs.append(self._next_sequence_nr())
             self.bound_modules.append(name)
+            params = module._parameters if module is not None else None
+            if params:
+                leaves = self._leaves
+                for param_name, param in params.items():
+                    if param is not None and id(param) not in leaves and id(param) not in self.held:
+                        self.held[id(param)] = _Leaf(f"{name}.{param_name}" if name else param_name, param, name)
 
     def _exit(self, name: str, module: Any, args: Any, output: Any) -> None:
         stack = self._stack()
@@ -978,9 +988,12 @@ class _TraceSession:
 
     def _dense_block(self, grad: Any) -> tuple | None:
         """``(address, numel, dtype, device)`` of a tensor whose elements fill one block of memory exactly
-        (contiguous, or a transposed contiguous matrix); None for others, whose norm is not shared."""
+        (contiguous, or a transposed contiguous matrix); None for others, whose norm is not shared.
+
+        A tensor subclass's ``data_ptr()`` need not be an address (a DTensor's is its offset in a
+        storage it does not hold): only plain tensors qualify."""
         try:
-            if grad.layout is not self._torch.strided:
+            if type(grad) is not self._torch.Tensor or grad.layout is not self._torch.strided:
                 return None
             if grad.is_contiguous() or (grad.dim() == 2 and grad.t().is_contiguous()):
                 return (grad.data_ptr(), grad.numel(), grad.dtype, grad.device)
@@ -1165,7 +1178,7 @@ class _TraceSession:
         params: list[str | None] = [None] * len(kept)
         for position in leaves:
             variable = kept[position].variable
-            leaf = self.leaves.get(id(variable))
+            leaf = self.leaves.get(id(variable)) or self.tracker.held.get(id(variable))
             params[position], modules[position] = (leaf.name, leaf.module) if leaf else (self.input_names.get(id(variable)), None)
             sources[position] = stacks[position] = None
         for position in sorted(backward):  # creators come before what they create
@@ -1507,7 +1520,7 @@ def trace(
     args, kwargs, input_names, input_infos = _prepare_inputs(tuple(args), dict(kwargs or {}), input_grad)
     modules = named_modules_of(model)
     leaves = _named_leaves(model, modules)
-    tracker = _ModuleTracker(modules)
+    tracker = _ModuleTracker(modules, leaves)
     session = _TraceSession(leaves, input_names, tracker)
     training = [(module, module.training) for _, module in modules]
     saved_grads: dict[int, tuple[Any, Any]] = {}
