@@ -234,6 +234,70 @@ def test_gradcheck_fails_a_backward_that_forgets_a_term():
     assert node.module == ""
 
 
+def _elementwise_function(name: str, forward, derivative) -> type:
+    """A custom Function ``forward(x)`` whose backward multiplies by ``derivative(x)``."""
+
+    def forward_(ctx, x):
+        ctx.save_for_backward(x)
+        return forward(x)
+
+    def backward_(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * derivative(x)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward_), "backward": staticmethod(backward_)})
+
+
+def _gradcheck_of(function: type, x: torch.Tensor):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(x.shape[-1]))
+
+        def forward(self, x):
+            return function.apply(x * self.scale)
+
+    (node,) = trace(Net(), x, gradcheck=True).find(f"{function.__name__}Backward")
+    return node.gradcheck
+
+
+def test_gradcheck_fails_a_backward_a_few_percent_off_on_a_large_tensor():
+    """tanh with ``1 - tanh(x)`` for ``1 - tanh(x)**2``: on small inputs that is a few percent off. On
+    4,352 elements PyTorch's fast gradcheck passes it (its tolerance grows with the size); the
+    directional comparison does not."""
+    torch.manual_seed(0)
+    x = 0.05 * torch.randn(2, 34, 64)
+    wrong = _elementwise_function("AlmostTanh", torch.tanh, lambda x: 1 - torch.tanh(x))
+    check = _gradcheck_of(wrong, x)
+    assert check.passed is False and check.mismatch > 1e-2
+    right = _elementwise_function("RightTanh", torch.tanh, lambda x: 1 - torch.tanh(x) ** 2)
+    check = _gradcheck_of(right, x)
+    assert check.passed is True and check.mismatch < 1e-6
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0])
+def test_gradcheck_passes_correct_functions_small_and_saturated(scale):
+    """Tiny inputs, and saturated ones whose derivative is tiny beside the values (rounding matters)."""
+    torch.manual_seed(0)
+    x = scale * torch.randn(64, 128)
+    sigmoid = _elementwise_function("Sig", torch.sigmoid, lambda x: torch.sigmoid(x) * (1 - torch.sigmoid(x)))
+    softplus = _elementwise_function("Softplus", nn.functional.softplus, torch.sigmoid)
+    for function in (sigmoid, softplus):
+        check = _gradcheck_of(function, x)
+        assert check.passed is True, (function.__name__, check)
+
+
+def test_gradcheck_gives_no_verdict_at_a_kink():
+    """A correct ReLU called on exact zeros has no derivative there: neither pass nor fail."""
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(16, 32))  # half the inputs are exactly 0
+    relu = _elementwise_function("MyRelu", torch.relu, lambda x: (x > 0).to(x.dtype))
+    check = _gradcheck_of(relu, x)
+    assert check.passed is None and "not differentiable" in check.error
+    check = _gradcheck_of(relu, x + 0.5)  # away from the kink it is checked
+    assert check.passed is True
+
+
 def test_check_fails_on_gradcheck_and_passes_correct_functions():
     bad = invoke("check", str(SAMPLES_DIR / "wrong_backward.py"), "--gradcheck")
     assert bad.exit_code == 1

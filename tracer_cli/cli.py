@@ -225,8 +225,8 @@ _REPLAY = typer.Option(
     "report nodes whose backward is not reproducible (hidden state, nondeterminism, communication)."
 )
 _GRADCHECK = typer.Option(
-    False, "--gradcheck", help="Check every custom autograd.Function's backward numerically (fast gradcheck, "
-    "float64) on the inputs it was called with."
+    False, "--gradcheck", help="Check every custom autograd.Function's backward numerically (float64, along "
+    "random directions) on the inputs it was called with."
 )
 _STACK = typer.Option(False, "--stack", help="Record the full user stack behind every node and show it.")
 _NO_SOURCES = typer.Option(

@@ -166,10 +166,12 @@ class Gradcheck:
     """A custom Function's backward checked numerically in float64 on the inputs it was called with.
 
     Attributes:
-        passed: the verdict of PyTorch's fast-mode ``gradcheck``; ``None`` if it could not run.
+        passed: False if PyTorch's fast-mode ``gradcheck`` or gradtrace's own directional check
+            fails; ``None`` if it could not run, or if the Function is not differentiable at those
+            inputs (a kink: no verdict).
         mismatch: relative difference between the analytical and the numerical
             directional derivative (a random direction), the figure behind the verdict.
-        error: why it could not run, or what gradcheck reported.
+        error: why it could not run or gave no verdict.
     """
 
     passed: bool | None

@@ -141,6 +141,8 @@ def _append_checks(text: Text, node: Node) -> None:
             text.append(f"  gradcheck ✓ ({format_norm(check.mismatch)})", style="green")
         elif check.passed is False:
             text.append(f"  gradcheck ✗ mismatch {format_norm(check.mismatch)}", style=_NONFINITE)
+        elif check.mismatch is not None:  # it ran, without a verdict
+            text.append(f"  gradcheck ? {check.error}", style="dim")
         else:
             text.append(f"  gradcheck not run: {check.error}", style="dim")
     replay = node.replay
