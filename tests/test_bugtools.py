@@ -245,7 +245,8 @@ def _elementwise_function(name: str, forward, derivative) -> type:
         (x,) = ctx.saved_tensors
         return grad * derivative(x)
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward_), "backward": staticmethod(backward_)})
+    methods = {"forward": staticmethod(forward_), "backward": staticmethod(backward_)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
 def _gradcheck_of(function: type, x: torch.Tensor):

@@ -410,6 +410,20 @@ def test_rank_seed_gives_different_inputs_but_no_node_divergence(job):
     assert notes, f"rank 0's comparison does not say that the inputs differ by rank\n{j}"
     # ... and no node of either tree is marked as differing across ranks
     assert divergence_marks(j) == [], f"--rank-seed marks nodes as divergent\n{j}"
+    # "params ‖grad‖" is that of the averaged .grad (the same on every rank), not of what each rank's
+    # AccumulateGrad received (its local gradient, which differs by rank here)
+    for row, trace in zip(doc["comparison"]["ranks"], doc["ranks"]):
+        averaged = math.sqrt(sum(stat["norm"] ** 2 for stat in trace["param_grads"].values()))
+        assert row["param_grad_norm_total"] == pytest.approx(averaged, rel=1e-6)
+        assert trace["summary"]["param_grad_norm_total"] == pytest.approx(averaged, rel=1e-6)
+    def local_total(trace: dict[str, Any]) -> float:
+        leaves = [n for n in trace["nodes"] if n["param"] and not n["param"].startswith("input:")]
+        return math.sqrt(sum(n["grad_outputs"][0]["norm"] ** 2 for n in leaves))
+
+    local = [local_total(t) for t in doc["ranks"]]
+    assert local[0] != pytest.approx(local[1], rel=1e-3)
+    totals = [row["param_grad_norm_total"] for row in doc["comparison"]["ranks"]]
+    assert totals[0] == pytest.approx(totals[1], rel=1e-5)
 
 
 def _has_fsdp2() -> bool:

@@ -296,7 +296,7 @@ def norm_findings(trace: Trace, thresholds: Thresholds) -> list[Finding]:
     Norms are those of each parameter's ``.grad`` after backward (under DDP: averaged across ranks).
     Non-finite norms are left to the non-finite check.
     """
-    norms = parameter_grad_norms(trace)
+    norms = trace.parameter_grad_norms()
     leaves = {node.param: node for node in trace.nodes if _is_parameter_leaf(node)}
     findings = []
 
@@ -327,18 +327,6 @@ def norm_findings(trace: Trace, thresholds: Thresholds) -> list[Finding]:
     if norms:
         judge(math.sqrt(sum(v * v for v in norms.values())), param=ALL_PARAMETERS)
     return findings
-
-
-def parameter_grad_norms(trace: Trace) -> dict[str, float]:
-    """Each parameter's gradient norm, by name: its ``.grad`` after backward, else its AccumulateGrad's."""
-    norms = {name: stat.norm for name, stat in trace.param_grads if stat is not None and stat.norm is not None}
-    if norms:
-        return norms
-    return {
-        node.param: node.grad_norm
-        for node in trace.executed()
-        if _is_parameter_leaf(node) and node.grad_norm is not None
-    }
 
 
 def comparison_findings(comparison: dict[str, Any]) -> list[Finding]:

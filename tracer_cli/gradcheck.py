@@ -104,7 +104,8 @@ def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck:
     except Exception as exc:  # the Function does not run in float64, or raised: report it
         return Gradcheck(None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
     if agree is None:  # PyTorch's check is misled by the same kink
-        return Gradcheck(None, mismatch, "not differentiable at the inputs it was called with (a kink, like ReLU's at 0)")
+        why = "not differentiable at the inputs it was called with (a kink, like ReLU's at 0)"
+        return Gradcheck(None, mismatch, why)
     return Gradcheck(bool(passed) and agree, mismatch, None)
 
 

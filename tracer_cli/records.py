@@ -452,6 +452,19 @@ class Trace:
                 return node
         raise KeyError(param)
 
+    def parameter_grad_norms(self) -> dict[str, float]:
+        """Each parameter's gradient norm, by name: its ``.grad`` after backward (under DDP, averaged
+        across ranks), else what its AccumulateGrad received."""
+        norms = {name: stat.norm for name, stat in self.param_grads if stat is not None and stat.norm is not None}
+        if norms:
+            return norms
+        return {
+            node.param: node.grad_norm
+            for node in self.executed()
+            if node.is_leaf and node.param is not None and not node.param.startswith("input:")
+            and node.grad_norm is not None
+        }
+
     def nonfinite_nodes(self) -> list[Node]:
         """Nodes with a NaN or infinite gradient, in execution order."""
         return [n for n in self.executed() if n.nonfinite_kind is not None]
@@ -488,9 +501,8 @@ class Trace:
             for _, _, stat in node.stats()
             if stat.norm is not None and math.isfinite(stat.norm)
         ]
-        leaves = [n for n in executed if n.is_leaf and n.param is not None and not n.param.startswith("input:")]
-        leaf_norms = [n.grad_norm for n in leaves if n.grad_norm is not None]
-        total = math.sqrt(sum(v * v for v in leaf_norms)) if leaf_norms else None
+        grad_norms = self.parameter_grad_norms().values()
+        total = math.sqrt(sum(v * v for v in grad_norms)) if grad_norms else None
 
         def brief(node: Node, **extra: Any) -> dict[str, Any]:
             return {"id": node.id, "name": node.name, "module": node.module, "param": node.param, **extra}
