@@ -62,6 +62,30 @@ def test_tree_golden(name, options, golden):
     assert text == path.read_text()
 
 
+@pytest.mark.parametrize("limit", [3, 10, 25])
+def test_module_view_cut_short_says_what_each_module_hides(limit):
+    """Once --max-nodes is spent, a module still to come is one line with the number of its nodes not
+    shown (no empty headings, no expanded submodules); a module cut in the middle says how many of
+    its own nodes are left. Every hidden node is counted exactly once, and the footer agrees."""
+    import re
+
+    result = sample_trace("transformer")
+    text = render_text(result, TreeOptions(max_nodes=limit))
+    lines = text.splitlines()
+    shown = [line for line in lines if re.search(r"[├└]── #\d+ ", line)]
+    assert len(shown) == limit
+    hidden = [int(n) for n in re.findall(r"(\d+) (?:more )?nodes? not shown", text)]
+    (footer,) = [int(n) for n in re.findall(r"… (\d+) more node lines not shown", text)]
+    assert footer == len(result.nodes) - limit
+    assert sum(hidden) == footer
+    # after the last node line, every module heading carries its count
+    after = lines[lines.index(shown[-1]) + 1 :]
+    headings = [line for line in after if re.search(r"[├└]── \S+ \(", line)]
+    assert headings and all("not shown" in line for line in headings)
+    tree_end = next(i for i, line in enumerate(after) if line.startswith("…"))
+    assert all("not shown" in line or not line.strip(" │├└─") for line in after[:tree_end])
+
+
 @pytest.mark.parametrize("name", ["mlp", "nan_where", "checkpointed", "custom_function", "transformer"])
 def test_json_round_trip(name):
     result = sample_trace(name)

@@ -242,12 +242,19 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
         if path != "":
             children[parent_of(path)].append(path)
 
+    def add_nodes(branch: Tree, nodes: list[Node]) -> None:
+        hidden = 0
+        for node in nodes:
+            if budget.take():
+                branch.add(node_line(node, styler, show_module=False))
+            else:
+                hidden += 1
+        if hidden:
+            branch.add(Text(f"… {hidden} more {_plural(hidden, 'node')} not shown", style="dim"))
+
     root = Tree(Text(trace.meta.target, style="bold"), guide_style="dim")
     if by_module.get(None):
-        group = root.add(Text(OUTSIDE, style="blue"))
-        for node in by_module[None]:
-            if budget.take():
-                group.add(node_line(node, styler, show_module=False))
+        add_nodes(root.add(Text(OUTSIDE, style="blue")), by_module[None])
 
     def count(path: str) -> list[Node]:
         found = list(by_module.get(path, ()))
@@ -260,18 +267,19 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
         label = Text(path.rpartition(".")[2] if path else "<root>", style="bold blue")
         if kind:
             label.append(f" ({kind})", style="blue")
+        if budget.limit is not None and budget.shown >= budget.limit:  # out of lines: one line for it all
+            hidden = len(count(path))
+            budget.hidden += hidden
+            label.append(f"  {hidden} {_plural(hidden, 'node')} not shown", style="dim")
+            parent.add(label)
+            return
         branch = parent.add(label)
         if options.depth is not None and _module_depth(path) >= options.depth and children.get(path):
             own = by_module.get(path, [])
-            deeper = count(path)[len(own):]
-            for node in own:
-                if budget.take():
-                    branch.add(node_line(node, styler, show_module=False))
-            _summarise(branch, deeper)
+            add_nodes(branch, own)
+            _summarise(branch, count(path)[len(own):])
             return
-        for node in by_module.get(path, ()):
-            if budget.take():
-                branch.add(node_line(node, styler, show_module=False))
+        add_nodes(branch, by_module.get(path, []))
         for child in children.get(path, ()):
             add_module(branch, child)
 
@@ -279,6 +287,10 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
     for top in tops:
         add_module(root, top)
     return root
+
+
+def _plural(count: int, word: str) -> str:
+    return word if count == 1 else word + "s"
 
 
 def _summarise(branch: Tree, nodes: list[Node]) -> None:
