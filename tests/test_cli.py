@@ -429,6 +429,35 @@ def test_bounded_output_and_all(runner, tmp_path):
     assert max(widths) <= 8
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        "x.mul_(2.0)",  # in place on the input (normalising pixels in place, say)
+        "x = x * 2.0; x.requires_grad = True",  # what transformers' Wav2Vec2 does to its features
+    ],
+)
+def test_model_that_changes_its_input_is_pointed_to_no_input_grad(runner, tmp_path, change):
+    path = write_model(
+        tmp_path,
+        f"""
+        import torch
+
+        weight = torch.nn.Parameter(torch.ones(3))
+
+        def model(x):
+            {change}
+            return (x * weight).sum()
+
+        def example_inputs():
+            return torch.ones(3)
+        """,
+    )
+    result = invoke(runner, "run", str(path))
+    assert result.exit_code == 3
+    assert "--no-input-grad" in result.stderr
+    assert invoke(runner, "run", str(path), "--no-input-grad").exit_code == 0
+
+
 def test_filter(runner):
     result = invoke(runner, "run", str(SAMPLES / "mlp.py"), "--filter", "fc2", "--all")
     assert result.exit_code == 0

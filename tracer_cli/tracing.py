@@ -1556,7 +1556,7 @@ def trace(
                     output = model(*args, **kwargs)
             except USER_CODE_ERRORS as exc:
                 phase = "the model's forward" + _failing_module(exc, modules)
-                hint = None if isinstance(exc, SystemExit) else _input_hint(input_infos)
+                hint = None if isinstance(exc, SystemExit) else _input_hint(input_infos, exc, input_grad)
                 raise UserCodeError(phase, exc, hint=hint) from exc
             loss, loss_rule = compute_loss(output, loss_fn, loss_reduction)
         tracker.stop_recording()
@@ -1647,7 +1647,21 @@ def _failing_module(exc: BaseException, modules: list[tuple[str, Any]]) -> str:
     return found
 
 
-def _input_hint(infos: list[InputInfo]) -> str | None:
+# what torch says when code changes an input that gradtrace made require grad
+_INPUT_GRAD_ERRORS = (
+    "you can only change requires_grad flags of leaf variables",
+    "a leaf Variable that requires grad is being used in an in-place operation",
+    "a view of a leaf Variable that requires grad is being used in an in-place operation",
+)
+
+
+def _input_hint(infos: list[InputInfo], exc: BaseException, input_grad: bool) -> str | None:
+    if input_grad and infos and any(message in str(exc) for message in _INPUT_GRAD_ERRORS):
+        return (
+            "gradtrace makes floating-point inputs require grad to show their gradients, and the model "
+            "changes an input in place, or sets requires_grad on a tensor made from one: run with "
+            "--no-input-grad (trace(..., input_grad=False))"
+        )
     if not infos:
         return None
     shapes = ", ".join(f"{i.name} {i.dtype}{list(i.shape)}" for i in infos)
