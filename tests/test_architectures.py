@@ -375,6 +375,7 @@ def check_model(
     flags = {mname: m.training for mname, m in model.named_modules()}
     input_flags = [(t, t.requires_grad) for t in tensors_in((args, kwargs))]
     hooks_before = hook_snapshot(model)
+    buffers_before = {bname: (b, b.clone()) for bname, b in model.named_buffers()}
 
     torch.manual_seed(seed)
     started = time.perf_counter()
@@ -402,6 +403,10 @@ def check_model(
     for tensor, flag in input_flags:
         if tensor.requires_grad != flag or tensor.grad is not None:
             fail("a caller's input tensor was changed by trace()")
+    for bname, (buffer, value) in buffers_before.items():  # BatchNorm's running statistics, in train mode
+        if model.get_buffer(bname) is not buffer or not torch.equal(buffer, value):
+            fail(f"buffer {bname} changed by trace()")
+            break
     for p in params.values():
         p.grad = None
 

@@ -122,6 +122,38 @@ def _named_leaves(model: Any, modules: list[tuple[str, Any]]) -> dict[int, _Leaf
     return leaves
 
 
+def _saved_buffers(modules: list[tuple[str, Any]]) -> list[tuple[Any, str, Any, Any]]:
+    """``(module, name, buffer, copy)`` for every buffer of the model, copied before forward runs
+    (BatchNorm's running statistics are updated by a forward in train mode), for
+    :func:`_restore_buffers`. Copied before forward, not as each module runs: small tensors allocated
+    between the activations and kept to the end make backward's allocations slower."""
+    saved = []
+    seen: set[int] = set()
+    for _, module in modules:
+        for name, buffer in module._buffers.items():
+            if buffer is not None and id(buffer) not in seen:
+                seen.add(id(buffer))
+                saved.append((module, name, buffer, buffer.detach().clone()))
+    return saved
+
+
+def _restore_buffers(saved: list[tuple[Any, str, Any, Any]]) -> None:
+    """Put back every buffer that a module changed, or replaced, while the trace ran."""
+    import torch
+
+    with torch.no_grad():
+        for module, name, buffer, copy in saved:
+            try:
+                if module._buffers.get(name) is not buffer:
+                    module._buffers[name] = buffer
+                # compared, not told by the version counter: batch_norm updates its running statistics in
+                # place without bumping it
+                if not torch.equal(buffer, copy):
+                    buffer.copy_(copy)
+            except Exception:  # e.g. an inference tensor, which cannot be written outside inference mode
+                pass
+
+
 def _prepare_inputs(args: tuple, kwargs: dict, input_grad: bool) -> tuple[tuple, dict, dict[int, str], list[InputInfo]]:
     """Give floating-point input tensors ``requires_grad`` (as new aliases) and name them."""
     import torch
@@ -1509,8 +1541,10 @@ def trace(
         UserCodeError: the model, the loss function or a custom backward raised.
         ModelError: the loss does not require grad, or cannot be formed.
 
-    Each parameter's ``.grad`` is left as it was found: gradients of this backward
-    are recorded, then discarded.
+    The model is left as it was found: each parameter's ``.grad`` (gradients of this
+    backward are recorded, then discarded), each module's training flag, and each
+    module's buffers (BatchNorm's running statistics, which a forward in train mode
+    updates) as the module's first call found them.
     """
     import torch
 
@@ -1523,6 +1557,7 @@ def trace(
     tracker = _ModuleTracker(modules, leaves)
     session = _TraceSession(leaves, input_names, tracker)
     training = [(module, module.training) for _, module in modules]
+    saved_buffers = _saved_buffers(modules)
     saved_grads: dict[int, tuple[Any, Any]] = {}
     # A trace allocates many small objects while the graph holds many more: generational
     # collections would walk them all, again and again (measured: half the trace time).
@@ -1613,6 +1648,7 @@ def trace(
         tracker.stop_recording()
         session.close()
         tracker.remove()
+        _restore_buffers(saved_buffers)
         for tensor, grad in saved_grads.values():
             tensor.grad = grad
         for module, flag in training:
