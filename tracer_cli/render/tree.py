@@ -480,8 +480,10 @@ def render_trace(trace: Trace, options: TreeOptions | None = None) -> Renderable
     header.append(f"{meta.target} · torch {meta.torch} · {meta.device}", style="dim")
     if meta.world_size > 1:
         header.append(f" · rank {meta.rank}/{meta.world_size}", style="dim")
-    view_title = "by module, execution order within each" if options.view == "modules" else "backward graph from the loss"
-    header.append(f"\nbackward nodes {view_title}", style="dim")
+    view_title = (
+        "backward nodes by module, execution order within each" if options.view == "modules" else "backward graph from the loss"
+    )
+    header.append(f"\n{view_title}", style="dim")
     tree, hidden = render_tree(trace, options)
     parts: list[RenderableType] = [header, tree]
     if hidden:
