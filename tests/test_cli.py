@@ -458,6 +458,16 @@ def test_model_that_changes_its_input_is_pointed_to_no_input_grad(runner, tmp_pa
     assert invoke(runner, "run", str(path), "--no-input-grad").exit_code == 0
 
 
+def test_node_lines_are_not_folded_when_stdout_is_not_a_terminal(runner, monkeypatch):
+    """In a CI log or a file each node line stays whole (Rich folds at 80 columns there by default)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    result = invoke(runner, "run", str(SAMPLES / "transformer.py"))
+    assert result.exit_code == 0
+    lines = [line for line in node_lines(result.stdout) if "AccumulateGrad" not in line]
+    assert lines and all("grad_in" in line and line.rstrip().endswith("‖") for line in lines), result.stdout
+    assert max(map(len, lines)) > 80  # long enough that 80 columns would fold them
+
+
 def test_filter(runner):
     result = invoke(runner, "run", str(SAMPLES / "mlp.py"), "--filter", "fc2", "--all")
     assert result.exit_code == 0

@@ -634,11 +634,10 @@ def _run_single(options: _Options) -> int:
         _write_json(options.json_path, dumps(result))
         if options.json_path == "-":
             return _verdict(findings)
-    from rich.console import Console
 
     from .render.tree import render_trace
 
-    console = Console(highlight=False, record=bool(options.exports))
+    console = _log_console(record=bool(options.exports))
     console.print(render_trace(result, options.tree))
     _print_findings(console, findings, "")
     _save_exports(options, console, result)
@@ -716,15 +715,16 @@ def _finish_check(options: _Options, reports: list[Any], console: Any, prefix: s
     return ExitCode.GRADIENT_PROBLEMS if any(r.failures for r in reports) else ExitCode.OK
 
 
-def _log_console() -> Any:
-    """stdout; when it is not a terminal (a CI log, a pipe), wide enough that table rows are not folded."""
+def _log_console(record: bool = False) -> Any:
+    """stdout; when it is not a terminal (a CI log, a pipe, a file), wide enough that a node line or a
+    table row is not folded (Rich's default there is 80 columns), so that each can be grepped whole."""
     import os
 
     from rich.console import Console
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, record=record)
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(highlight=False, width=_LOG_WIDTH)
+        console = Console(highlight=False, record=record, width=_LOG_WIDTH)
     return console
 
 
@@ -815,7 +815,6 @@ def _rank_lines(options: _Options, console: Any, traces: list[Any], comparison: 
 
 def _compare_and_show(options: _Options, documents: list[dict[str, Any]]) -> int:
     """Rank 0's part of ``run``: compare the gathered traces, print the trees and the verdict, write the merged JSON."""
-    from rich.console import Console
 
     from .checks import comparison_findings, merge_rank_findings, trace_findings
     from .render.json import dumps_merged
@@ -827,7 +826,7 @@ def _compare_and_show(options: _Options, documents: list[dict[str, Any]]) -> int
         _write_json(options.json_path, dumps_merged(traces, comparison))
         if options.json_path == "-":
             return _verdict(failed)
-    console = Console(highlight=False, record=bool(options.exports))
+    console = _log_console(record=bool(options.exports))
     for line in _rank_lines(options, console, traces, comparison):
         console.print(line, soft_wrap=True)
     _print_findings(console, failed, "[rank0] ")
