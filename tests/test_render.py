@@ -86,6 +86,47 @@ def test_module_view_cut_short_says_what_each_module_hides(limit):
     assert all("not shown" in line or not line.strip(" │├└─") for line in after[:tree_end])
 
 
+def _residual_stack(blocks: int) -> Trace:
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(8)
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.fc(self.norm(x))
+
+    torch.manual_seed(0)
+    return trace(torch.nn.Sequential(*[Block() for _ in range(blocks)]), torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("blocks", [2, 12])
+def test_graph_view_keeps_a_residual_stream_on_one_level(blocks):
+    """Each residual add is reached from the add after it and from the block between: it is shown after
+    its block, at the stream's level, so depth does not grow with the number of blocks. Every node is
+    shown exactly once; every other arrival at it is a reference."""
+    import re
+
+    result = _residual_stack(blocks)
+    text = render_text(result, TreeOptions(view="graph", max_nodes=None))
+    lines = [line for line in text.splitlines() if re.search(r"[├└]── ", line)]
+    shown = [int(m.group(1)) for line in lines if (m := re.search(r"[├└]── #(\d+) ", line))]
+    assert sorted(shown) == list(range(len(result.nodes)))
+    depth = max(len(re.match(r"^[ │├└─]*", line).group(0)) // 4 for line in lines)
+    assert depth == _graph_depth(_residual_stack(2))
+    adds = [line for line in lines if re.search(r"[├└]── #\d+ AddBackward0 ", line)]
+    assert len(adds) == blocks and len({line.index("#") for line in adds}) == 1  # the stream: one column
+    below = {int(n) for n in re.findall(r"↓ #(\d+) \S+ \(shown below\)", text)}
+    assert below and below <= set(shown)
+
+
+def _graph_depth(result: Trace) -> int:
+    import re
+
+    text = render_text(result, TreeOptions(view="graph", max_nodes=None))
+    return max(len(re.match(r"^[ │├└─]*", line).group(0)) // 4 for line in text.splitlines() if re.search(r"[├└]── ", line))
+
+
 @pytest.mark.parametrize("name", ["mlp", "nan_where", "checkpointed", "custom_function", "transformer"])
 def test_json_round_trip(name):
     result = sample_trace(name)

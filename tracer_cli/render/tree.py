@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -318,38 +318,65 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
     nodes = trace.nodes
     visited: set[int] = set()
     branch_of: dict[int, Tree] = {}
+    # A node reached by several parents (a residual stream's add, reached from the add after it and from
+    # the block between) waits until its last parent is shown, then continues at the level where it was
+    # first reached: the stream stays on one level and each block is one branch, instead of every add
+    # indenting once more. Until then it is referenced ("shown below").
+    parents = Counter(child for node in nodes for child in set(node.next) if child is not None)
+    shown_parents: Counter[int] = Counter()
+    waiting: set[int] = set()
+
+    def show(node_id: int) -> None:
+        visited.add(node_id)
+        shown_parents.update(set(c for c in nodes[node_id].next if c is not None))
+
+    def reference(node_id: int, where: str) -> Text:
+        return Text(f"{'↑' if where == 'above' else '↓'} #{node_id} {short_name(nodes[node_id].name)} (shown {where})", style="dim")
 
     def walk(container: Tree, start: int, level: int) -> None:
-        pending = [(container, start, level)]
+        # (parent, node, depth, continues): a node that continues parent's chain is added to it as one more
+        # node of the chain, not as the head of a new branch
+        pending = [(container, start, level, False)]
         while pending:
-            parent, node_id, depth = pending.pop()
+            parent, node_id, depth, continues = pending.pop()
+            waiting.discard(node_id)
             if node_id in visited:
-                parent.add(Text(f"↑ #{node_id} {short_name(nodes[node_id].name)} (shown above)", style="dim"))
+                if not continues:
+                    parent.add(reference(node_id, "above"))
                 continue
-            if options.depth is not None and depth > options.depth:
+            if not continues and options.depth is not None and depth > options.depth:
                 below = _reachable_unvisited(nodes, node_id, visited)
                 visited.update(below)
                 budget.hidden += len(below)
                 parent.add(Text(f"… {len(below)} nodes below (raise --depth to see them)", style="dim"))
                 continue
-            visited.add(node_id)
+            show(node_id)
             label = node_line(nodes[node_id], styler, show_module=True) if budget.take() else Text("…", style="dim")
-            branch = parent.add(label)
+            branch = parent if continues else parent.add(label)
+            if continues:
+                parent.add(label)
             branch_of[node_id] = branch
             current = node_id
             while True:
                 kids = list(dict.fromkeys(c for c in nodes[current].next if c is not None))
-                fresh = [c for c in kids if c not in visited]
-                for seen in (c for c in kids if c in visited):
-                    branch.add(Text(f"↑ #{seen} {short_name(nodes[seen].name)} (shown above)", style="dim"))
-                if len(fresh) == 1:  # a straight chain stays on one level
-                    current = fresh[0]
-                    visited.add(current)
+                for kid in kids:
+                    if kid in visited:
+                        branch.add(reference(kid, "above"))
+                    elif kid in waiting:
+                        branch.add(reference(kid, "below"))
+                fresh = [c for c in kids if c not in visited and c not in waiting]
+                later = [c for c in fresh if shown_parents[c] < parents[c]]
+                ready = [c for c in fresh if shown_parents[c] >= parents[c]]
+                if len(ready) == 1 and not later:  # a straight chain stays on one level
+                    current = ready[0]
+                    show(current)
                     branch_of[current] = branch
                     if budget.take():
                         branch.add(node_line(nodes[current], styler, show_module=True))
                     continue
-                pending.extend((branch, child, depth + 1) for child in reversed(fresh))
+                waiting.update(later)
+                pending.extend((branch, child, depth, True) for child in reversed(later))  # after the branches
+                pending.extend((branch, child, depth + 1, False) for child in reversed(ready))
                 break
 
     if nodes:
