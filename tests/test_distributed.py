@@ -310,6 +310,17 @@ def assert_no_leftovers(job: Job) -> None:
     assert not job.leftovers, f"processes of the job still running after it ended: {job.leftovers}\n{job}"
 
 
+def assert_healthy(job: Job) -> dict[str, Any]:
+    """A job on a healthy model: exit 0, clean lines, a merged document in which the ranks agree."""
+    assert job.returncode == 0, job
+    assert_line_discipline(job)
+    doc = job.document()
+    assert_merged_document(doc, job)
+    assert doc["comparison"]["first_divergent"] is None
+    assert doc["comparison"]["unsynchronized_params"] == []
+    return doc
+
+
 # Healthy DDP model: prefixes, merged JSON, agreement ------------------------------------------------
 
 
@@ -381,12 +392,7 @@ def test_torchrun_module_invocation_and_ranks_selection(job):
 def test_builtin_launcher_ddp_ranks_agree_with_fail_on(job):
     """``gradtrace run --nproc-per-node 2 ... --fail-on divergence,nonfinite``: healthy model, exit 0."""
     j = job("ddp_launcher_failon")
-    assert j.returncode == 0, j
-    assert_line_discipline(j)
-    doc = j.document()
-    assert_merged_document(doc, j)
-    assert doc["comparison"]["first_divergent"] is None
-    assert doc["comparison"]["unsynchronized_params"] == []
+    doc = assert_healthy(j)
     for rank in (0, 1):
         assert len(j.tree_lines(rank)) == len(doc["ranks"][rank]["nodes"]), j
     assert_no_leftovers(j)
@@ -441,13 +447,7 @@ def test_fsdp2_unsharded_leaves_named_and_full_gradient_norms(job):
     DTensor after backward) is normed over the whole parameter. Both match a plain single-process
     backward of the same model and input (every rank has the same input, so FSDP's average is it)."""
     j = job("fsdp_launcher")
-    assert j.returncode == 0, j
-    assert_line_discipline(j)
-    doc = j.document()
-    assert_merged_document(doc, j)
-    assert doc["comparison"]["first_divergent"] is None
-    assert doc["comparison"]["unsynchronized_params"] == []
-
+    doc = assert_healthy(j)
     sample = load_sample("dist_fsdp")
     torch.manual_seed(0)  # what gradtrace does: the seed (default 0) before the model and again before the inputs
     model = sample.build_model()  # no process group here: the plain model
