@@ -589,6 +589,22 @@ class FailingBackward(torch.autograd.Function):
         raise RuntimeError("boom in backward")
 
 
+def test_lazy_modules_are_traced():
+    """Lazy modules have no parameter or buffer values until their first call: traced on that call, the
+    gradients are those of a plain backward of an identical model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d(), nn.Tanh(), nn.LazyLinear(1))
+    x = torch.randn(6, 5)
+    result = trace(model, (x,), input_grad=False)
+    reference = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1))
+    reference.load_state_dict(model.state_dict())
+    reference.train()
+    reference(x).sum().backward()
+    for name, param in reference.named_parameters():
+        assert result.leaf(name).grad_norm == pytest.approx(param.grad.norm().item(), rel=1e-5), name
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_model_raising_in_forward_leaves_no_trace():
     torch.manual_seed(0)
     model = Faulty()

@@ -127,11 +127,14 @@ def _saved_buffers(modules: list[tuple[str, Any]]) -> list[tuple[Any, str, Any, 
     (BatchNorm's running statistics are updated by a forward in train mode), for
     :func:`_restore_buffers`. Copied before forward, not as each module runs: small tensors allocated
     between the activations and kept to the end make backward's allocations slower."""
+    from torch.nn.parameter import is_lazy
+
     saved = []
     seen: set[int] = set()
     for _, module in modules:
         for name, buffer in module._buffers.items():
-            if buffer is not None and id(buffer) not in seen:
+            # a lazy module's buffer has no value until its first call sets its shape (and keeps it)
+            if buffer is not None and id(buffer) not in seen and not is_lazy(buffer):
                 seen.add(id(buffer))
                 saved.append((module, name, buffer, buffer.detach().clone()))
     return saved
