@@ -120,6 +120,21 @@ def test_graph_view_keeps_a_residual_stream_on_one_level(blocks):
     assert below and below <= set(shown)
 
 
+@pytest.mark.parametrize("limit", [5, 40])
+def test_graph_view_cut_short_is_bounded(limit):
+    """Past --max-nodes nothing more is drawn (no placeholder line per branch); the footer counts the rest."""
+    import re
+
+    result = _residual_stack(12)
+    text = render_text(result, TreeOptions(view="graph", max_nodes=limit))
+    tree_lines = [line for line in text.splitlines() if re.search(r"[├└]── ", line)]
+    shown = [line for line in tree_lines if re.search(r"[├└]── #\d+ ", line)]
+    assert len(shown) == limit
+    assert len(tree_lines) <= 2 * limit  # references included
+    (footer,) = [int(n) for n in re.findall(r"… (\d+) more node lines not shown", text)]
+    assert footer == len(result.nodes) - limit
+
+
 def _graph_depth(result: Trace) -> int:
     import re
 

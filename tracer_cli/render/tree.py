@@ -331,7 +331,11 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
         shown_parents.update(set(c for c in nodes[node_id].next if c is not None))
 
     def reference(node_id: int, where: str) -> Text:
-        return Text(f"{'↑' if where == 'above' else '↓'} #{node_id} {short_name(nodes[node_id].name)} (shown {where})", style="dim")
+        arrow = "↑" if where == "above" else "↓"
+        return Text(f"{arrow} #{node_id} {short_name(nodes[node_id].name)} (shown {where})", style="dim")
+
+    def full() -> bool:  # out of node lines: the rest is walked and counted, and adds no line
+        return budget.limit is not None and budget.shown >= budget.limit
 
     def walk(container: Tree, start: int, level: int) -> None:
         # (parent, node, depth, continues): a node that continues parent's chain is added to it as one more
@@ -341,25 +345,31 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
             parent, node_id, depth, continues = pending.pop()
             waiting.discard(node_id)
             if node_id in visited:
-                if not continues:
+                if not continues and not full():
                     parent.add(reference(node_id, "above"))
                 continue
             if not continues and options.depth is not None and depth > options.depth:
                 below = _reachable_unvisited(nodes, node_id, visited)
                 visited.update(below)
                 budget.hidden += len(below)
-                parent.add(Text(f"… {len(below)} nodes below (raise --depth to see them)", style="dim"))
+                if not full():
+                    parent.add(Text(f"… {len(below)} nodes below (raise --depth to see them)", style="dim"))
                 continue
             show(node_id)
-            label = node_line(nodes[node_id], styler, show_module=True) if budget.take() else Text("…", style="dim")
-            branch = parent if continues else parent.add(label)
-            if continues:
-                parent.add(label)
+            branch = parent
+            if budget.take():
+                label = node_line(nodes[node_id], styler, show_module=True)
+                if continues:
+                    parent.add(label)
+                else:
+                    branch = parent.add(label)
             branch_of[node_id] = branch
             current = node_id
             while True:
                 kids = list(dict.fromkeys(c for c in nodes[current].next if c is not None))
                 for kid in kids:
+                    if full():
+                        break
                     if kid in visited:
                         branch.add(reference(kid, "above"))
                     elif kid in waiting:
@@ -390,7 +400,7 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
             continue
         if node.created_in not in groups:
             label = Text(f"created during backward of #{node.created_in}", style="dim")
-            groups[node.created_in] = branch_of[node.created_in].add(label)
+            groups[node.created_in] = branch_of[node.created_in] if full() else branch_of[node.created_in].add(label)
         walk(groups[node.created_in], node.id, 1)
     for node in nodes:
         if node.id not in visited:
