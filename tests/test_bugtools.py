@@ -197,6 +197,25 @@ def test_replay_reproduces_builtin_and_correct_custom_nodes():
     assert all(n.replay.reproducible is None and "not replayed" in n.replay.note for n in leaves)
 
 
+def test_replay_of_a_node_with_an_empty_gradient():
+    """A cat with a zero-element input (Hugging Face's DynamicCache on its first step) sends an empty
+    gradient: nothing to differ there, the node is reproducible."""
+
+    class Cache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return torch.cat([h.new_zeros(0, 8) * h.sum(), h], 0)
+
+    torch.manual_seed(0)
+    (cat,) = trace(Cache(), torch.randn(4, 8), replay=True).find("CatBackward0")
+    assert [s.shape for s in cat.grad_inputs] == [(0, 8), (4, 8)]
+    assert cat.replay.reproducible is True, cat.replay
+
+
 def test_replay_flags_a_stateful_backward():
     result = sample_trace("stateful_backward", replay=True)
     (node,) = result.find("DecayingGradBackward")
