@@ -161,6 +161,38 @@ def test_diff_names_the_changed_layer(two_runs, tmp_path):
     assert len(differing) > 1  # downstream nodes differ too; the origin is still the layer
 
 
+def test_diff_lines_are_not_folded_when_stdout_is_not_a_terminal(tmp_path, monkeypatch):
+    """In a CI log the header and the table keep a long module path whole (Rich folds at 80 columns)."""
+    path = tmp_path / "nested.py"
+    path.write_text(textwrap.dedent("""
+        import os
+        import torch
+        from torch import nn
+
+        def build_model():
+            inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+            model = nn.ModuleDict({"encoder_with_a_long_name": nn.ModuleDict({"attention_projection_block": inner})})
+            if os.environ.get("GRADTRACE_TEST_CHANGE"):
+                with torch.no_grad():
+                    inner[0].weight.mul_(1.5)
+            return lambda x: model["encoder_with_a_long_name"]["attention_projection_block"](x)
+
+        def example_inputs():
+            return torch.randn(3, 4)
+        """))
+    monkeypatch.delenv("COLUMNS", raising=False)
+    before, after = tmp_path / "before.json", tmp_path / "after.json"
+    assert invoke("run", str(path), "--json", str(before)).exit_code == 0
+    monkeypatch.setenv("GRADTRACE_TEST_CHANGE", "1")
+    assert invoke("run", str(path), "--json", str(after)).exit_code == 0
+    result = invoke("diff", str(before), str(after))
+    assert result.exit_code == 1
+    name = "encoder_with_a_long_name.attention_projection_block.0.weight"
+    header = result.stdout.splitlines()[0]
+    assert name in header and len(header) > 80, result.stdout
+    assert any(name in line for line in result.stdout.splitlines()[2:]), result.stdout
+
+
 def test_diff_of_incompatible_files_exits_2(tmp_path, two_runs):
     before, _ = two_runs
     other = tmp_path / "other.json"

@@ -921,8 +921,6 @@ def diff(
     def body() -> int:
         import json
 
-        from rich.console import Console
-
         from .compare import compare
         from .errors import UsageError
         from .render.diff import render_diff
@@ -945,7 +943,7 @@ def diff(
                         "note": comparison["note"], "a": first, "b": second}
             _write_json(json_path, json.dumps(document, allow_nan=False, sort_keys=True, indent=1) + "\n")
         if json_path != "-":
-            Console(highlight=False).print(render_diff(a, b, comparison, (first, second)))
+            _log_console().print(render_diff(a, b, comparison, (first, second)))
         differs = comparison["first_divergent"] is not None or bool(comparison["unsynchronized_params"])
         return ExitCode.GRADIENT_PROBLEMS if differs else ExitCode.OK
 
