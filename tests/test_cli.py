@@ -239,6 +239,25 @@ def test_unwritable_output_is_refused_before_the_model_runs(runner, tmp_path, op
     assert marker.exists() and (tmp_path / "out").stat().st_size > 0
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no file can be made")
+def test_output_that_cannot_be_created_is_refused_before_the_model_runs(runner, tmp_path):
+    """/proc is a folder that passes every permission test, even as root, and holds no new file."""
+    marker = tmp_path / "imported"
+    path = write_model(tmp_path, f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n" + textwrap.dedent(MLP_FILE))
+    result = invoke(runner, "run", str(path), "--dot", "/proc/gradtrace-test.dot")
+    assert result.exit_code == 2 and "cannot write /proc/gradtrace-test.dot" in result.stderr
+    assert not marker.exists()
+
+
+def test_output_check_leaves_no_file_when_the_model_fails(runner, tmp_path):
+    path = write_model(tmp_path, "import torch\n\ndef model(x):\n    raise RuntimeError('boom')\n\n"
+                       "def example_inputs():\n    return torch.ones(2)\n")
+    out = tmp_path / "out.json"
+    result = invoke(runner, "run", str(path), "--json", str(out))
+    assert result.exit_code == 3
+    assert not out.exists()
+
+
 def test_eval_flag_and_mode_restored(runner, tmp_path):
     path = write_model(
         tmp_path,

@@ -499,6 +499,14 @@ def _check_writable(path: str) -> None:
         raise UsageError(f"cannot write {path}: no folder {str(folder)!r}")
     if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise UsageError(f"cannot write {path}: permission denied")
+    try:  # what access() cannot tell (a read-only file system, /proc, root's writes): try, leave no trace
+        if target.exists():
+            open(target, "a").close()
+        else:
+            open(target, "x").close()
+            target.unlink()
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _with_config(ctx: typer.Context, config: Any) -> dict[str, Any]:
