@@ -111,6 +111,7 @@ def test_values_are_converted(project):
         ("fail-on = ['nonfinite', 'gradchek']\n", ["fail-on check 'gradchek'"]),
         ("eval = 'yes'\n", ["eval must be true or false"]),
         ("input = [1, 2]\n", ["input must be a string or a list of strings"]),
+        ("input = ['float32[8,17]x']\n", ["[tool.gradtrace] input: invalid input spec 'float32[8,17]x'"]),
         ("seed = \n", ["not valid TOML"]),
     ],
 )

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
+from .compare import who_differs
 from .records import Node, Trace
 
 CHECKS = ("nonfinite", "nograd", "zero", "norm", "divergence", "gradcheck", "replay")
@@ -334,12 +335,10 @@ def comparison_findings(comparison: dict[str, Any]) -> list[Finding]:
     first = comparison.get("first_divergent")
     findings = []
     if first is not None:
-        ranks = first["ranks"]
-        who = f"rank {ranks[0]} differs" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} differ"
         findings.append(
             Finding(
                 "divergence",
-                f"{first['kind']} divergence: {who} here",
+                f"{first['kind']} divergence: {who_differs(first['ranks'])} here",
                 node=first["id"],
                 name=first["name"],
                 module=first["module"],

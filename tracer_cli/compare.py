@@ -47,6 +47,13 @@ def relative_spread(values: Sequence[float | None]) -> float | None:
     return 0.0 if scale == 0 else (max(present) - min(present)) / scale
 
 
+def who_differs(ranks: Sequence[int]) -> str:
+    """``rank 2 differs`` / ``ranks 1, 2 differ``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} differs"
+    return f"ranks {', '.join(map(str, ranks))} differ"
+
+
 def _norm(stat: GradStat | None) -> float | None:
     return None if stat is None else stat.norm
 

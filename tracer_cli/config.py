@@ -41,6 +41,19 @@ def _string_list(key: str, value: Any, base: Path) -> list[str]:
     return list(value)
 
 
+def _input_specs(key: str, value: Any, base: Path) -> list[str]:
+    """Spec strings, checked now: a bad one is then reported with the file it is in."""
+    from .inputs import parse_spec
+
+    specs = _string_list(key, value, base)
+    for spec in specs:
+        try:
+            parse_spec(spec)
+        except UsageError as exc:
+            raise UsageError(f"[{TABLE}] {key}: {exc.message}", hint=exc.hint) from exc
+    return specs
+
+
 def _integer(key: str, value: Any, base: Path) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _type_error(key, value, "an integer")
@@ -110,7 +123,7 @@ def _relative_to(base: Path, path: str) -> str:
 # key → converter; each key is a long option of `run` and/or `check` (targets: check's TARGET arguments)
 KEYS: dict[str, Callable[[str, Any, Path], Any]] = {
     "targets": _targets,
-    "input": _string_list,
+    "input": _input_specs,
     "inputs": _path,
     "seed": _integer,
     "device": _string,

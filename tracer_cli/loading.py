@@ -94,7 +94,8 @@ def split_target(target: str) -> tuple[str, str, str | None]:
 
 def _import_file(path: str) -> ModuleType:
     if not os.path.exists(path):
-        raise UsageError(f"model file not found: {path}", hint="check the path (relative to the current folder)")
+        hint = "check the path (relative to the current folder; targets in [tool.gradtrace] are relative to its pyproject.toml)"
+        raise UsageError(f"model file not found: {path}", hint=hint)
     if os.path.isdir(path):
         raise UsageError(f"{path} is a folder, not a Python file", hint="name the model file, e.g. model.py")
     path = os.path.abspath(path)

@@ -9,6 +9,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from ..compare import who_differs
 from ..records import decode_float
 from .tree import format_norm, short_name
 
@@ -47,7 +48,7 @@ def render_comparison(comparison: dict[str, Any]) -> RenderableType:
         where = first["param"] or (f"in {first['module'] or '<root>'}" if first["module"] is not None else "outside any module")
         text = Text("first divergence: ", style="bold red")
         text.append(f"{first['kind']} at #{first['id']} {short_name(first['name'])} {where}", style="bold red")
-        text.append(f"  (ranks {', '.join(map(str, first['ranks']))} differ)", style="red")
+        text.append(f"  ({who_differs(first['ranks'])})", style="red")
         parts.append(text)
         parts.append(Text(_KIND_HELP[first["kind"]], style="dim"))
     if first is None and comparison.get("unsynchronized_params"):  # with an origin they are its consequence
