@@ -589,6 +589,26 @@ class FailingBackward(torch.autograd.Function):
         raise RuntimeError("boom in backward")
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_trace_called_inside_no_grad_or_inference_mode(mode):
+    """Called from an evaluation loop, trace() still runs a training step's forward and backward (the
+    inputs made there too), and the caller's mode is as it was afterwards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    expected = {name: p.grad.norm().item() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with getattr(torch, mode)():
+        inputs = x.clone()  # an inference tensor under inference_mode
+        result = trace(model, inputs)
+        assert not torch.is_grad_enabled()
+        assert torch.is_inference_mode_enabled() == (mode == "inference_mode")
+    for name, norm in expected.items():
+        assert result.leaf(name).grad_norm == pytest.approx(norm, rel=1e-6)
+    assert result.leaf("input:0").grad_norm is not None
+
+
 def test_lazy_modules_are_traced():
     """Lazy modules have no parameter or buffer values until their first call: traced on that call, the
     gradients are those of a plain backward of an identical model."""

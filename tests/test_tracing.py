@@ -119,10 +119,18 @@ def test_gradient_penalty_with_create_graph_inside_forward():
 
 
 def test_loss_without_grad_is_a_model_error():
-    model = nn.Linear(2, 2)
+    class Frozen(nn.Module):  # its own forward runs under no_grad (the caller's no_grad is lifted: see test_edge_cases)
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(2, 2)
+
+        def forward(self, x):
+            with torch.no_grad():
+                return self.linear(x)
+
+    model = Frozen()
     with pytest.raises(ModelError, match="does not require grad"):
-        with torch.no_grad():
-            trace(model, torch.randn(1, 2))
+        trace(model, torch.randn(1, 2))
     assert all(not m._forward_hooks for m in model.modules())
 
 

@@ -166,6 +166,8 @@ def _prepare_inputs(args: tuple, kwargs: dict, input_grad: bool) -> tuple[tuple,
 
     def prepare(value: Any, name: str) -> Any:
         if isinstance(value, torch.Tensor):
+            if value.is_inference():  # made under inference_mode(): autograd refuses it, a copy is a tensor like any
+                value = value.clone()
             if input_grad and value.is_leaf and not value.requires_grad and (value.is_floating_point() or value.is_complex()):
                 value = value.detach().requires_grad_()
             names[id(value)] = name
@@ -1489,6 +1491,21 @@ def _describe_model(model: Any) -> str:
     return getattr(model, "__qualname__", None) or type(model).__name__
 
 
+def _with_grad(function: Callable[..., Trace]) -> Callable[..., Trace]:
+    """Run ``function`` with grad mode on and inference mode off, as a training step runs, also where the
+    caller is inside ``no_grad()`` or ``inference_mode()`` (an evaluation loop, say)."""
+
+    @functools.wraps(function)
+    def in_grad_mode(*args: Any, **kwargs: Any) -> Trace:
+        import torch
+
+        with torch.inference_mode(False), torch.enable_grad():
+            return function(*args, **kwargs)
+
+    return in_grad_mode
+
+
+@_with_grad
 def trace(
     model: Callable[..., Any],
     args: Any = (),
@@ -1709,4 +1726,4 @@ def _input_hint(infos: list[InputInfo], exc: BaseException, input_grad: bool) ->
     return f"the model was called with {shapes}; check the input specs (-i) or example_inputs()"
 
 
-_TRACE_CODE = trace.__code__
+_TRACE_CODE = trace.__wrapped__.__code__
