@@ -193,6 +193,27 @@ def test_inputs_and_seed_from_pyproject_and_overrides(runner, project):
     assert document["meta"]["inputs"][0]["shape"] == [3, 16]
 
 
+def test_boolean_keys_from_pyproject_can_be_turned_off_on_the_command_line(runner, project):
+    write_config(project, "eval = true\nno-input-grad = true\nno-sources = true\n")
+
+    def traced(*options: str) -> dict:
+        result = invoke(runner, "run", sample("mlp"), "--json", "-", *options)
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def inputs(document: dict) -> list[str]:
+        return [n["param"] for n in document["nodes"] if (n["param"] or "").startswith("input:")]
+
+    def sources(document: dict) -> list[str]:
+        return [n["source"] for n in document["nodes"] if n["source"]]
+
+    configured = traced()
+    assert configured["meta"]["training"] is False and inputs(configured) == [] and sources(configured) == []
+    overridden = traced("--no-eval", "--input-grad", "--sources")
+    assert overridden["meta"]["training"] is True  # the mode the model is in: built in train mode
+    assert inputs(overridden) == ["input:0"] and sources(overridden)
+
+
 def test_inputs_on_the_command_line_replace_config_specs(runner, project):
     write_config(project, 'input = ["float32[5,16]"]\n')
     saved = project / "inputs.pt"

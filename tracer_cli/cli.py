@@ -164,10 +164,12 @@ _DEVICE = typer.Option(
     "cuda:LOCAL_RANK)."
 )
 _EVAL = typer.Option(
-    False, "--eval", help="Trace in eval mode (default: the mode the model is in). The mode is restored."
+    False, "--eval/--no-eval", help="Trace in eval mode (default: the mode the model is in). The mode is restored. "
+    "--no-eval undoes eval = true in the tool.gradtrace table."
 )
 _NO_INPUT_GRAD = typer.Option(
-    False, "--no-input-grad", help="Do not make floating-point inputs require grad (no input:N leaves)."
+    False, "--no-input-grad/--input-grad", help="Do not make floating-point inputs require grad (no input:N "
+    "leaves). --input-grad undoes no-input-grad = true in the tool.gradtrace table."
 )
 _LOSS = typer.Option(
     LossReduction.sum, "--loss", help="Without loss_fn, reduce each floating-point output with .sum() or .mean()."
@@ -213,7 +215,7 @@ _RANKS = typer.Option(
     "all", "--ranks", metavar="RANKS", help="Under torchrun: whose trees to print, e.g. 0,2 or all."
 )
 _RANK_SEED = typer.Option(
-    False, "--rank-seed", help="Under torchrun: offset the seed by the rank (different data per rank)."
+    False, "--rank-seed/--no-rank-seed", help="Under torchrun: offset the seed by the rank (different data per rank)."
 )
 _RTOL = typer.Option(1e-5, "--rtol", min=0.0, help="Relative tolerance when comparing ranks.")
 _TIMEOUT = typer.Option(
@@ -230,8 +232,8 @@ _GRADCHECK = typer.Option(
 )
 _STACK = typer.Option(False, "--stack", help="Record the full user stack behind every node and show it.")
 _NO_SOURCES = typer.Option(
-    False, "--no-sources", help="Do not record the source line that created each node (a Python trace function "
-    "while forward runs); non-finite origins are then named without their line."
+    False, "--no-sources/--sources", help="Do not record the source line that created each node (a Python trace "
+    "function while forward runs); non-finite origins are then named without their line."
 )
 
 
