@@ -249,6 +249,26 @@ def test_output_that_cannot_be_created_is_refused_before_the_model_runs(runner, 
     assert not marker.exists()
 
 
+def test_output_check_tolerates_other_ranks_checking_the_same_path(tmp_path, monkeypatch):
+    """Every rank of a job checks the output path at once: a file another rank's check just made, or just
+    removed, is not an error, and an existing file is left as it was."""
+    from tracer_cli.cli import _check_writable
+
+    out = tmp_path / "out.json"
+    out.write_text("kept")
+    _check_writable(str(out))
+    assert out.read_text() == "kept"
+    monkeypatch.setattr(Path, "exists", lambda self: False)  # another rank made it after this rank looked
+    _check_writable(str(out))
+    assert out.read_text() == "kept"
+    monkeypatch.undo()
+    out.unlink()
+    monkeypatch.setattr(Path, "exists", lambda self: self == out or Path.is_dir(self))  # ... removed it meanwhile
+    _check_writable(str(out))
+    monkeypatch.undo()
+    assert not out.exists()
+
+
 def test_output_check_leaves_no_file_when_the_model_fails(runner, tmp_path):
     path = write_model(tmp_path, "import torch\n\ndef model(x):\n    raise RuntimeError('boom')\n\n"
                        "def example_inputs():\n    return torch.ones(2)\n")

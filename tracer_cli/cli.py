@@ -499,14 +499,23 @@ def _check_writable(path: str) -> None:
         raise UsageError(f"cannot write {path}: it is a folder")
     if not folder.is_dir():
         raise UsageError(f"cannot write {path}: no folder {str(folder)!r}")
-    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+    if not os.access(folder, os.W_OK):
         raise UsageError(f"cannot write {path}: permission denied")
-    try:  # what access() cannot tell (a read-only file system, /proc, root's writes): try, leave no trace
+    # What access() cannot tell (a read-only file system, /proc, root's writes): try, and leave no trace.
+    # Every rank of a job checks the same path at once: one rank's probe file is not an error for another.
+    try:
         if target.exists():
-            open(target, "a").close()
+            try:
+                os.close(os.open(target, os.O_WRONLY | os.O_APPEND))
+            except FileNotFoundError:  # another rank's probe, removed meanwhile
+                pass
         else:
-            open(target, "x").close()
-            target.unlink()
+            try:
+                os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            except FileExistsError:  # another rank's probe
+                return
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
 
