@@ -337,6 +337,28 @@ def test_several_healthy_targets(runner):
     assert result.stdout.count("no findings") == 3
 
 
+def test_targets_in_two_folders_each_get_their_own_neighbour_modules(tmp_path):
+    """a/model.py and b/model.py each import `layers` from their own folder: checked together, each is
+    the model it is when checked alone (in a process of its own), not the first one's twice."""
+    for folder, body in (("a", "nn.Linear(4, 2)"), ("b", "nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "layers.py").write_text(f"from torch import nn\n\ndef make():\n    return {body}\n")
+        (tmp_path / folder / "model.py").write_text(
+            "import torch\nfrom layers import make\n\nmodel = make()\n\ndef example_inputs():\n    return torch.randn(3, 4)\n"
+        )
+
+    def summaries(*targets: str) -> list[str]:
+        job = subprocess.run([sys.executable, "-m", "tracer_cli", "check", *targets], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path)
+        assert job.returncode == 0, job.stdout + job.stderr
+        return [line for line in job.stdout.splitlines() if " nodes, " in line]
+
+    alone = summaries("a/model.py") + summaries("b/model.py")
+    assert alone[0] != alone[1].replace("b/", "a/")  # two different models
+    assert summaries("a/model.py", "b/model.py") == alone
+    assert summaries("b/model.py", "a/model.py", "b/model.py") == [alone[1], alone[0], alone[1]]
+
+
 def test_missing_target_exits_2(runner):
     result = check(runner, "does_not_exist.py")
     assert result.exit_code == 2

@@ -100,10 +100,12 @@ def _import_file(path: str) -> ModuleType:
         raise UsageError(f"{path} is a folder, not a Python file", hint="name the model file, e.g. model.py")
     path = os.path.abspath(path)
     folder = os.path.dirname(path)
+    _forget_neighbours_of_other_targets(folder)
     stem = os.path.splitext(os.path.basename(path))[0]
     module_name = stem if _IDENTIFIER.match(stem) and stem not in sys.modules else f"gradtrace_target_{abs(hash(path))}"
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
+    if folder in sys.path:  # first, as for `python model.py`: its neighbours before another target's
+        sys.path.remove(folder)
+    sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise UsageError(f"cannot import {path}", hint="the model file must be a .py file")
@@ -119,6 +121,38 @@ def _import_file(path: str) -> ModuleType:
         sys.modules.pop(module_name, None)
         raise UserCodeError(f"importing {os.path.relpath(path)}", exc) from exc
     return module
+
+
+_target_folders: list[str] = []  # the folders of the model files imported so far, in this process
+
+
+def _forget_neighbours_of_other_targets(folder: str) -> None:
+    """Drop from ``sys.modules`` what earlier targets' files imported from their own folders.
+
+    ``check a/model.py b/model.py``, where each imports ``layers`` from its folder: without this, b
+    would get a's ``layers`` (already imported) and be traced as a's model. A module counts as a
+    folder's neighbour when the folder holds its top-level package or file (``layers.py``,
+    ``layers/``); a virtual environment inside the folder does not (``venv/.../torch``).
+    """
+    others = [other for other in _target_folders if other != folder]
+    if folder not in _target_folders:
+        _target_folders.append(folder)
+    if not others:
+        return
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not file:
+            continue
+        top = name.partition(".")[0]
+        for other in others:
+            try:
+                relative = os.path.relpath(file, other)
+            except ValueError:  # another drive (Windows)
+                continue
+            first = relative.split(os.sep, 1)[0]
+            if not relative.startswith(os.pardir) and first in (top, f"{top}.py"):
+                del sys.modules[name]
+                break
 
 
 def _import_module(dotted: str) -> ModuleType:
