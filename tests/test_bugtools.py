@@ -248,6 +248,38 @@ def test_replay_of_a_node_with_an_empty_gradient():
     assert cat.replay.reproducible is True, cat.replay
 
 
+class _Hooked(nn.Module):
+    """Three ways a user's hook changes what a node sends on: a node post hook, a module's full backward
+    hook, and one that only looks."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.inner = nn.Linear(8, 8)
+        self.inner.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 3,))
+        self.seen = []
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        h.grad_fn.register_hook(lambda grad_inputs, grad_outputs: (grad_inputs[0] * 0.1,))
+        g = torch.sigmoid(self.inner(h))
+        g.grad_fn.register_hook(lambda grad_inputs, grad_outputs: self.seen.append(len(grad_inputs)))
+        return g
+
+
+def test_replay_gives_no_verdict_where_a_users_hook_changes_the_gradients():
+    torch.manual_seed(0)
+    model = _Hooked()
+    result = trace(model, torch.randn(4, 8), replay=True)
+    (tanh,) = result.find("TanhBackward0")
+    assert tanh.replay.reproducible is None and tanh.replay.relative > 1 and "hooks of your own" in tanh.replay.note
+    hooked = [n for n in result.find("BackwardHookFunctionBackward") if n.replay.reproducible is not True]
+    assert hooked and all(n.replay.reproducible is None for n in hooked)
+    (sigmoid,) = result.find("SigmoidBackward0")  # its hook only looks: replayed and judged
+    assert sigmoid.replay.reproducible is True and model.seen
+    assert not [n for n in result.nodes if n.replay and n.replay.reproducible is False]
+
+
 def test_replay_flags_a_stateful_backward():
     result = sample_trace("stateful_backward", replay=True)
     (node,) = result.find("DecayingGradBackward")

@@ -839,6 +839,7 @@ class _TraceSession:
         self.sites: _SiteRecorder | None = None
         self.replay = False
         self._replaying = False
+        self.hook_dicts: dict[int, Any] = {}  # --replay: node id -> its post hooks (ours and any of the user's)
         self.replays: dict[int, tuple] = {}
         self.gradchecks: dict[int, Gradcheck] = {}
         # id(custom Function node) -> (node, class, args, kwargs, tensor mask), recorded in forward for
@@ -857,7 +858,7 @@ class _TraceSession:
         if self._run_hook is None:
             self._run_hook = self._make_run_hook()
         on_run = self._on_run_now if self.replay else self._run_hook
-        start = len(nodes)
+        start, first_handle = len(nodes), len(handles)
         for root in roots:
             if root is not None and root not in index:
                 index[root] = len(nodes)
@@ -881,6 +882,14 @@ class _TraceSession:
                     add_handle(node.register_hook(partial(self._on_custom_run, node_id)))
                 else:
                     add_handle(node.register_hook(partial(on_run, node_id)))
+        if self.replay:  # each node's post-hook dict: hooks of the user's there make a replay differ
+            handle_iter = iter(handles[first_handle:])
+            for node_id in range(start, len(nodes)):
+                node = nodes[node_id]
+                if type(node) is not leaf_type and isinstance(node, custom_type):
+                    next(handle_iter)  # its pre-hook's
+                handle = next(handle_iter)
+                self.hook_dicts[node_id] = handle if isinstance(handle, dict) else handle.hooks_dict_ref()
         if in_backward:
             for node_id in range(start, len(nodes)):
                 self.created_in[node_id] = self.running_custom[-1] if self.running_custom else None
@@ -1108,7 +1117,9 @@ class _TraceSession:
                     scales.append(original.abs().max().to(torch.float64))
                 if not diffs:
                     return (None, None, "no gradient to compare")
-                return (self.stats.value(torch.stack(diffs).max()), self.stats.value(torch.stack(scales).max()), None)
+                hooks = self.hook_dicts.get(node_id)
+                note = USER_HOOKS if hooks is not None and len(hooks) > 1 else None
+                return (self.stats.value(torch.stack(diffs).max()), self.stats.value(torch.stack(scales).max()), note)
         except Exception as exc:  # the node refused to run again: that is the finding
             return (None, None, f"could not run again: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         finally:
@@ -1447,7 +1458,13 @@ def _replay_record(pending: tuple | None, norms: list[float | None]) -> Replay |
         return Replay(diff, None, None, "the difference could not be read")
     relative = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
     reproducible = math.isfinite(relative) and relative <= REPLAY_RTOL
+    if not reproducible and note == USER_HOOKS:  # the user's hook may be what changed them: no verdict
+        return Replay(diff, relative, None, note)
     return Replay(diff, relative, reproducible, None)
+
+
+# A replay runs the node alone; what the engine sent on went through the node's post hooks too.
+USER_HOOKS = "hooks of your own on this node (register_hook, a module's backward hook) may change what it sends: not judged"
 
 
 def _format_site(site: tuple[str, int] | None) -> str | None:

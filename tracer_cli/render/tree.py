@@ -149,6 +149,8 @@ def _append_checks(text: Text, node: Node) -> None:
     if replay is not None and replay.reproducible is False:
         detail = replay.note or f"differs by {format_norm(replay.relative)} (relative)"
         text.append(f"  replay ✗ {detail}", style=_NONFINITE)
+    elif replay is not None and replay.reproducible is None and replay.relative is not None:  # ran, no verdict
+        text.append(f"  replay ? differs by {format_norm(replay.relative)}: {replay.note}", style="dim")
 
 
 def _node_text(node: Node, styler: _Styler, *, show_module: bool) -> Text:
