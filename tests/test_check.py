@@ -475,6 +475,9 @@ def test_annotation_file_only_for_a_file_of_the_checkout(tmp_path):
     lines = annotations([report], workspace=str(tmp_path / "repo"))
     assert [line.split("::")[1] for line in lines] == ["error file=model.py,line=7"] + ["error "] * 4
     assert all(f"(created at {s})" in line for line, s in zip(lines, sources) if s)
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "repo")  # a self-hosted runner's workspace may be a link
+    assert annotations([report], workspace=str(tmp_path / "link")) == lines
 
 
 # Library pieces -----------------------------------------------------------------------------------

@@ -671,6 +671,17 @@ def test_compare_finds_the_origin(variant, kind, name):
     origin = comparison["first_divergent"]
     assert origin is not None
     assert (origin["kind"], origin["name"], origin["module"], origin["ranks"]) == (kind, name, "block2", [1])
+    # the line of _Block2.forward that made the node, found independently; the check finding carries it
+    import inspect
+
+    from tracer_cli.checks import comparison_findings
+
+    fragment = {"structure": "torch.sigmoid(h)", "forward": "* self.scale", "backward": "_ScaleGrad.apply"}[kind]
+    lines, first = inspect.getsourcelines(_Block2.forward)
+    line = first + next(i for i, text in enumerate(lines) if fragment in text)
+    assert origin["source"] is not None and origin["source"].endswith(f"test_distributed.py:{line}")
+    (finding,) = comparison_findings(comparison)
+    assert finding.source == origin["source"]
 
 
 def test_compare_n_traces_names_the_rank_that_differs():

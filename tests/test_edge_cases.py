@@ -502,6 +502,17 @@ def test_loss_key_is_used(x3):
     assert result.meta.loss == pytest.approx(float(model(x3)["loss"].detach()))
 
 
+def test_complex_output_without_loss_fn_says_so():
+    from tracer_cli.errors import ModelError
+
+    weight = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+    with pytest.raises(ModelError) as caught:
+        trace(lambda x: torch.fft.fft(x) * weight, torch.randn(4))
+    assert "complex" in caught.value.message and "real scalar" in caught.value.hint
+    result = trace(lambda x: torch.fft.fft(x) * weight, torch.randn(4), loss_fn=lambda out: out.abs().pow(2).sum())
+    assert result.leaf("input:0").grad_norm > 0
+
+
 def test_zero_dim_output_is_the_loss():
     result = trace(lambda x: (x * 3).mean(), (torch.ones(4),))
     assert result.nodes[0].name == "MeanBackward0"

@@ -344,6 +344,7 @@ def comparison_findings(comparison: dict[str, Any]) -> list[Finding]:
                 module=first["module"],
                 param=first["param"],
                 value=first["kind"],
+                source=first.get("source"),
             )
         )
     else:  # with an origin, differing parameter gradients are its consequence, not news

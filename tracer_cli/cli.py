@@ -956,7 +956,7 @@ def diff(
         if json_path is not None:
             first_divergent = comparison["first_divergent"]
             if first_divergent is not None:
-                first_divergent = {k: first_divergent[k] for k in ("id", "name", "module", "param", "kind")}
+                first_divergent = {k: first_divergent[k] for k in ("id", "name", "module", "param", "kind", "source")}
             document = {"first_divergent": first_divergent, "nodes": comparison["nodes"],
                         "unsynchronized_params": comparison["unsynchronized_params"], "rtol": rtol,
                         "note": comparison["note"], "a": first, "b": second}

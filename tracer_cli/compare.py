@@ -81,7 +81,10 @@ def _creation_sequence(trace: Trace) -> list[Node]:
 
 
 def _describe(node: Node, kind: str, ranks: list[int]) -> dict[str, Any]:
-    return {"id": node.id, "name": node.name, "module": node.module, "param": node.param, "kind": kind, "ranks": ranks}
+    return {
+        "id": node.id, "name": node.name, "module": node.module, "param": node.param, "kind": kind, "ranks": ranks,
+        "source": node.source,
+    }
 
 
 def _structure_origin(traces: Sequence[Trace], labels: list[int]) -> dict[str, Any] | None:

@@ -11,8 +11,9 @@ from .errors import USER_CODE_ERRORS, ModelError, UsageError, UserCodeError
 REDUCTIONS = ("sum", "mean")
 
 
-def floating_outputs(output: Any, path: str = "output") -> list[tuple[str, Any]]:
-    """Every real floating-point tensor in a (nested) model output, with its path.
+def floating_outputs(output: Any, path: str = "output", complex_: bool = False) -> list[tuple[str, Any]]:
+    """Every real floating-point tensor in a (nested) model output, with its path (with ``complex_``,
+    every complex one).
 
     Walks tensors, tuples/lists, mappings (dicts, Hugging Face ``ModelOutput``)
     and dataclasses.
@@ -20,7 +21,7 @@ def floating_outputs(output: Any, path: str = "output") -> list[tuple[str, Any]]
     import torch
 
     if isinstance(output, torch.Tensor):
-        return [(path, output)] if output.is_floating_point() else []
+        return [(path, output)] if (output.is_complex() if complex_ else output.is_floating_point()) else []
     if isinstance(output, Mapping):
         items = [(f"{path}[{key!r}]", value) for key, value in output.items()]
     elif isinstance(output, (tuple, list)):
@@ -31,7 +32,7 @@ def floating_outputs(output: Any, path: str = "output") -> list[tuple[str, Any]]
         return []
     found: list[tuple[str, Any]] = []
     for item_path, value in items:
-        found.extend(floating_outputs(value, item_path))
+        found.extend(floating_outputs(value, item_path, complex_))
     return found
 
 
@@ -90,6 +91,12 @@ def compute_loss(
     with_grad = [(path, t) for path, t in outputs if t.requires_grad]
     chosen = with_grad or outputs
     if not chosen:
+        if floating_outputs(output, complex_=True):
+            raise ModelError(
+                f"the model's output ({type(output).__name__}) holds complex tensors and no real floating-point "
+                "one: a complex loss has no gradient to follow",
+                hint="define loss_fn(output) returning a real scalar, e.g. output.abs().pow(2).sum() or output.real.sum()",
+            )
         raise ModelError(
             f"the model returned {type(output).__name__}, which holds no floating-point tensor to "
             "differentiate",

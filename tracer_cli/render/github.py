@@ -57,7 +57,8 @@ def _in_checkout(path: str, workspace: str | None) -> str | None:
     if not workspace:
         return path
     try:
-        relative = os.path.relpath(os.path.abspath(path), workspace)
+        # both resolved: the working folder is (os.getcwd() resolves links), the workspace may name a link
+        relative = os.path.relpath(os.path.realpath(path), os.path.realpath(workspace))
     except (ValueError, OSError):  # another drive (Windows), or the working folder was deleted
         return None
     return None if relative.startswith("..") else relative
