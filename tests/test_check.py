@@ -359,6 +359,28 @@ def test_targets_in_two_folders_each_get_their_own_neighbour_modules(tmp_path):
     assert summaries("b/model.py", "a/model.py", "b/model.py") == [alone[1], alone[0], alone[1]]
 
 
+def test_forgetting_a_targets_neighbours_spares_what_was_loaded_before(tmp_path, monkeypatch):
+    """Modules loaded before the first model file (gradtrace, torch, the user's own imports) stay, even
+    where they live in a target's folder; what that folder's target imported goes."""
+    import importlib
+
+    from tracer_cli import loading
+
+    monkeypatch.setattr(loading, "_target_folders", [])
+    monkeypatch.setattr(loading, "_loaded_before", set())
+    folder = tmp_path / "a"
+    folder.mkdir()
+    for name in ("gt_early_module", "gt_late_module"):
+        (folder / f"{name}.py").write_text("VALUE = 1\n")
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(folder))
+    importlib.import_module("gt_early_module")
+    loading._forget_neighbours_of_other_targets(str(folder))  # the first target, in a
+    importlib.import_module("gt_late_module")  # what it imports
+    loading._forget_neighbours_of_other_targets(str(tmp_path / "b"))  # the next target, elsewhere
+    assert "gt_early_module" in sys.modules and "gt_late_module" not in sys.modules
+
+
 def test_missing_target_exits_2(runner):
     result = check(runner, "does_not_exist.py")
     assert result.exit_code == 2

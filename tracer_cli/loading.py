@@ -124,6 +124,7 @@ def _import_file(path: str) -> ModuleType:
 
 
 _target_folders: list[str] = []  # the folders of the model files imported so far, in this process
+_loaded_before: set[str] = set()  # the modules loaded before the first model file: never forgotten
 
 
 def _forget_neighbours_of_other_targets(folder: str) -> None:
@@ -132,8 +133,11 @@ def _forget_neighbours_of_other_targets(folder: str) -> None:
     ``check a/model.py b/model.py``, where each imports ``layers`` from its folder: without this, b
     would get a's ``layers`` (already imported) and be traced as a's model. A module counts as a
     folder's neighbour when the folder holds its top-level package or file (``layers.py``,
-    ``layers/``); a virtual environment inside the folder does not (``venv/.../torch``).
+    ``layers/``); a virtual environment inside the folder does not (``venv/.../torch``), nor does
+    anything loaded before the first model file (gradtrace itself, torch).
     """
+    if not _target_folders:
+        _loaded_before.update(sys.modules)  # gradtrace, torch, ...: whatever folder they live in
     others = [other for other in _target_folders if other != folder]
     if folder not in _target_folders:
         _target_folders.append(folder)
@@ -141,7 +145,7 @@ def _forget_neighbours_of_other_targets(folder: str) -> None:
         return
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if not file:
+        if not file or name in _loaded_before:
             continue
         top = name.partition(".")[0]
         for other in others:
