@@ -488,6 +488,26 @@ def test_annotations_name_the_line_that_created_the_node(runner, monkeypatch):
     assert error.startswith("::error ::") and f"(created at {SAMPLES / 'nan_where.py'}:{line})" in error
 
 
+def test_annotations_of_targets_that_fail_name_the_line_that_raised(runner, tmp_path, monkeypatch):
+    files = {
+        "broken_import.py": "import torch\n\nraise RuntimeError('broken at import')\n",
+        "syntax.py": "import torch\n\ndef model(x):\n    return (x.sum(\n",
+        "raises.py": "import torch\n\nw = torch.nn.Parameter(torch.ones(3))\n\ndef model(x):\n"
+                     "    raise ValueError('in forward')\n\ndef example_inputs():\n    return torch.ones(3)\n",
+    }
+    expected = {}  # independently: the line each file fails on
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        marker = {"broken_import.py": "raise", "syntax.py": "return (", "raises.py": "raise"}[name]
+        expected[name] = next(n for n, line in enumerate(text.splitlines(), 1) if marker in line)
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.setenv("GITHUB_WORKSPACE", str(tmp_path))
+    result = check(runner, *(str(tmp_path / name) for name in files))
+    assert result.exit_code == 3
+    errors = [line for line in result.stdout.splitlines() if line.startswith("::error")]
+    assert [line.split("::")[1] for line in errors] == [f"error file={name},line={line}" for name, line in expected.items()]
+
+
 def test_annotation_file_only_for_a_file_of_the_checkout(tmp_path):
     """file= and line= where the source is a file inside the workspace; never for code with no file."""
     inside, outside = tmp_path / "repo" / "model.py", tmp_path / "lib" / "layers.py"

@@ -76,10 +76,15 @@ class Finding:
     @property
     def file_and_line(self) -> tuple[str, int] | None:
         """``source`` split into its path and line number; None where unknown."""
-        if not self.source:
-            return None
-        path, _, line = self.source.rpartition(":")
-        return (path, int(line)) if path and line.isdigit() else None
+        return split_source(self.source)
+
+
+def split_source(source: str | None) -> tuple[str, int] | None:
+    """``path:line`` split into its path and line number; None where there is none."""
+    if not source:
+        return None
+    path, _, line = source.rpartition(":")
+    return (path, int(line)) if path and line.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -377,6 +382,7 @@ class TargetReport:
         findings: every finding, failing or not.
         policy: what fails.
         error: why the target could not be checked (it did not load, or raised); then ``checks`` is empty.
+        error_source: ``path:line`` of the user's code the error points at, where known.
         error_type: the error's class name.
         exit_code: the exit code the error maps to.
         time_s: how long loading and tracing took.
@@ -392,6 +398,7 @@ class TargetReport:
     exit_code: int | None = None
     time_s: float | None = None
     summary: str = ""
+    error_source: str | None = None
 
     @property
     def failures(self) -> list[Finding]:

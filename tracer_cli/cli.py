@@ -701,7 +701,8 @@ def _error_report(options: _Options, target: str, error: GradtraceError, code: i
     from .checks import TargetReport
 
     return TargetReport(
-        target, policy=options.policy, error=error.message, error_type=type(error).__name__, exit_code=code
+        target, policy=options.policy, error=error.message, error_type=type(error).__name__, exit_code=code,
+        error_source=error.source,
     )
 
 

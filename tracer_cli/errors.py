@@ -41,6 +41,14 @@ class GradtraceError(Exception):
         """Extra text shown under the message (e.g. the user's traceback)."""
         return None
 
+    @property
+    def source(self) -> str | None:
+        """``path:line`` of the user's code the error points at (a syntax error's line), where known."""
+        cause = self.__cause__
+        if isinstance(cause, SyntaxError) and cause.filename and cause.lineno:
+            return f"{cause.filename}:{cause.lineno}"
+        return None
+
 
 class UsageError(GradtraceError):
     """Bad command line, target or input spec (exit 2)."""
@@ -79,6 +87,12 @@ class UserCodeError(ModelError):
         super().__init__(f"{phase} raised {summary}", hint)
         self.phase = phase
         self.original = exc
+
+    @property
+    def source(self) -> str | None:
+        """``path:line`` of the innermost frame of the user's code in the traceback."""
+        frames = user_frames(self.original)
+        return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
 
     def details(self) -> str | None:
         frames = user_frames(self.original)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Sequence
 
-from ..checks import TargetReport
+from ..checks import TargetReport, split_source
 
 
 def in_github_actions(environ: Mapping[str, str]) -> bool:
@@ -34,17 +34,20 @@ def annotations(reports: Sequence[TargetReport], workspace: str | None = None) -
     ``workspace`` (``GITHUB_WORKSPACE``, the checkout): source paths inside it are given relative to it,
     as GitHub matches them to the repository's files; a line outside it is named in the message only.
     """
+    def located(source: str | None) -> str:
+        where = split_source(source)
+        path = _in_checkout(where[0], workspace) if where else None
+        return f"file={escape_property(path)},line={where[1]}" if path and where else ""
+
     lines = []
     for report in reports:
-        if report.error is not None:
-            lines.append(f"::error ::{escape_data(f'gradtrace check {report.target}: {report.error}')}")
+        if report.error is not None:  # at the line of the user's code that raised, where known
+            text = f"gradtrace check {report.target}: {report.error}"
+            lines.append(f"::error {located(report.error_source)}::{escape_data(text)}")
         for finding in report.failures + report.warnings:
             level = "error" if report.policy.fails(finding) else "warning"
             text = f"gradtrace check {report.target}: {finding.kind}: {finding.message}"
-            where = finding.file_and_line
-            path = _in_checkout(where[0], workspace) if where else None
-            properties = f"file={escape_property(path)},line={where[1]}" if path and where else ""
-            lines.append(f"::{level} {properties}::{escape_data(text)}")
+            lines.append(f"::{level} {located(finding.source)}::{escape_data(text)}")
     return lines
 
 
