@@ -359,6 +359,24 @@ def test_targets_in_two_folders_each_get_their_own_neighbour_modules(tmp_path):
     assert summaries("b/model.py", "a/model.py", "b/model.py") == [alone[1], alone[0], alone[1]]
 
 
+def test_a_package_two_targets_share_is_imported_once(tmp_path):
+    """model.py and exp/model.py both import mypkg from the root (exp has none of its own): it stays
+    imported (importing it twice would run its side effects twice, e.g. op registrations)."""
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text(
+        "import pathlib\nwith open(pathlib.Path(__file__).parent / 'imports.txt', 'a') as f:\n    f.write('x')\n"
+        "from torch import nn\n\ndef make():\n    return nn.Linear(4, 2)\n"
+    )
+    body = "import torch\nfrom mypkg import make\n\nmodel = make()\n\ndef example_inputs():\n    return torch.randn(3, 4)\n"
+    (tmp_path / "model.py").write_text(body)
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "model.py").write_text(body)
+    job = subprocess.run([sys.executable, "-m", "tracer_cli", "check", "model.py", "exp/model.py"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert (tmp_path / "mypkg" / "imports.txt").read_text() == "x"
+
+
 def test_forgetting_a_targets_neighbours_spares_what_was_loaded_before(tmp_path, monkeypatch):
     """Modules loaded before the first model file (gradtrace, torch, the user's own imports) stay, even
     where they live in a target's folder; what that folder's target imported goes."""
@@ -370,8 +388,10 @@ def test_forgetting_a_targets_neighbours_spares_what_was_loaded_before(tmp_path,
     monkeypatch.setattr(loading, "_loaded_before", set())
     folder = tmp_path / "a"
     folder.mkdir()
+    (tmp_path / "b").mkdir()
     for name in ("gt_early_module", "gt_late_module"):
         (folder / f"{name}.py").write_text("VALUE = 1\n")
+        (tmp_path / "b" / f"{name}.py").write_text("VALUE = 2\n")  # the next target has its own of each
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.syspath_prepend(str(folder))
     importlib.import_module("gt_early_module")

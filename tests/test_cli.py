@@ -269,6 +269,23 @@ def test_output_check_tolerates_other_ranks_checking_the_same_path(tmp_path, mon
     assert not out.exists()
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_json_to_a_named_pipe_is_written_whole(runner, tmp_path):
+    """The output check must not open a pipe (its reader would see the end and leave; the write would hang)."""
+    import threading
+
+    pipe = tmp_path / "out.fifo"
+    os.mkfifo(pipe)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(pipe.read_text()), daemon=True)
+    reader.start()
+    command = [sys.executable, "-m", "tracer_cli", "run", str(SAMPLES / "mlp.py"), "--json", str(pipe)]
+    job = subprocess.run(command, capture_output=True, text=True, timeout=120)  # a hang fails here
+    reader.join(timeout=60)
+    assert job.returncode == 0 and received, job.stderr
+    assert strict_json(received[0])["schema"] == "gradtrace/1"
+
+
 def test_output_check_leaves_no_file_when_the_model_fails(runner, tmp_path):
     path = write_model(tmp_path, "import torch\n\ndef model(x):\n    raise RuntimeError('boom')\n\n"
                        "def example_inputs():\n    return torch.ones(2)\n")

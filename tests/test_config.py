@@ -214,6 +214,23 @@ def test_boolean_keys_from_pyproject_can_be_turned_off_on_the_command_line(runne
     assert inputs(overridden) == ["input:0"] and sources(overridden)
 
 
+def test_command_line_overrides_reach_the_launched_ranks(runner, project, monkeypatch):
+    """The ranks read [tool.gradtrace] again: what the command line gave must reach them, also where it
+    equals an option's default (--seed 0 over seed = 7) or turns a boolean off (--no-eval)."""
+    import tracer_cli.distributed as distributed
+
+    write_config(project, "seed = 7\neval = true\nno-input-grad = true\n")
+    launched: list[list[str]] = []
+    monkeypatch.setattr(distributed, "launch", lambda n, argv: launched.append(list(argv)) or 0)
+    result = invoke(runner, "run", "--nproc-per-node", "2", "--seed", "0", "--no-eval", "--input-grad", sample("mlp"))
+    assert result.exit_code == 0, result.output
+    (argv,) = launched
+    assert "--no-eval" in argv and "--input-grad" in argv
+    assert argv[argv.index("--seed") + 1] == "0"
+    invoke(runner, "run", "--nproc-per-node", "2", sample("mlp"))  # nothing given: the ranks read the file
+    assert launched[1] == ["run", sample("mlp")]
+
+
 def test_inputs_on_the_command_line_replace_config_specs(runner, project):
     write_config(project, 'input = ["float32[5,16]"]\n')
     saved = project / "inputs.pt"

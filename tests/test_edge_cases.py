@@ -620,6 +620,39 @@ def test_trace_called_inside_no_grad_or_inference_mode(mode):
     assert result.leaf("input:0").grad_norm is not None
 
 
+class _SharedCounter(nn.Module):
+    def __init__(self, shared: torch.Tensor, replace: bool):
+        super().__init__()
+        self.register_buffer("count", shared)
+        self.replace = replace
+
+    def forward(self, x):
+        if self.replace:
+            self.count = self.count + 1  # a new object in place of the buffer
+        return x * 2
+
+
+class _SparseHits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+        self.register_buffer("hits", torch.zeros(4).to_sparse())
+
+    def forward(self, x):
+        self.hits.add_(torch.ones(4).to_sparse())
+        return self.fc(x)
+
+
+def test_shared_and_sparse_buffers_are_put_back():
+    shared = torch.zeros(4)
+    model = nn.Sequential(_SharedCounter(shared, False), _SharedCounter(shared, True), nn.Linear(4, 1))
+    trace(model, torch.randn(2, 4))
+    assert model[0].count is shared and model[1].count is shared and not shared.any()
+    sparse = _SparseHits()
+    trace(sparse, torch.randn(2, 4))
+    assert not sparse.hits.to_dense().any()
+
+
 def test_lazy_modules_are_traced():
     """Lazy modules have no parameter or buffer values until their first call: traced on that call, the
     gradients are those of a plain backward of an identical model."""

@@ -120,6 +120,16 @@ def test_graph_view_keeps_a_residual_stream_on_one_level(blocks):
     assert below and below <= set(shown)
 
 
+def test_graph_view_depth_keeps_the_residual_stream():
+    """--depth cuts inside the blocks; the stream's adds, drawn at the top level, are all still shown."""
+    import re
+
+    result = _residual_stack(4)
+    text = render_text(result, TreeOptions(view="graph", max_nodes=None, depth=1))
+    assert len(re.findall(r"[├└]── #\d+ AddBackward0 ", text)) == 4
+    assert "nodes below" in text
+
+
 @pytest.mark.parametrize("limit", [5, 40])
 def test_graph_view_cut_short_is_bounded(limit):
     """Past --max-nodes nothing more is drawn (no placeholder line per branch); the footer counts the rest."""

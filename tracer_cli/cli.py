@@ -501,6 +501,8 @@ def _check_writable(path: str) -> None:
         raise UsageError(f"cannot write {path}: no folder {str(folder)!r}")
     if not os.access(folder, os.W_OK):
         raise UsageError(f"cannot write {path}: permission denied")
+    if target.exists() and not target.is_file():  # /dev/stdout, a named pipe: opening it is not harmless
+        return
     # What access() cannot tell (a read-only file system, /proc, root's writes): try, and leave no trace.
     # Every rank of a job checks the same path at once: one rank's probe file is not an error for another.
     try:
@@ -553,11 +555,17 @@ def _forwarded_args(ctx: typer.Context, drop: set[str]) -> list[str]:
         if param.name in drop or param.param_type_name != "option":
             continue
         value = ctx.params.get(param.name)
-        if value is None or value == param.default or value == ():
+        # given on the command line, it is forwarded even at its default: it overrides [tool.gradtrace],
+        # which the workers read again (--seed 0 over seed = 7, --no-eval over eval = true)
+        given = getattr(ctx.get_parameter_source(param.name), "name", None) == "COMMANDLINE"
+        if value is None or value == () or (value == param.default and not given):
             continue
         flag = param.opts[-1] if param.opts[-1].startswith("--") else param.opts[0]
         if param.is_flag:
-            args.append(flag)
+            if value:
+                args.append(flag)
+            elif param.secondary_opts:
+                args.append(param.secondary_opts[0])
         elif isinstance(value, (list, tuple)):
             for item in value:
                 args += [flag, str(item)]

@@ -128,16 +128,18 @@ _loaded_before: set[str] = set()  # the modules loaded before the first model fi
 
 
 def _forget_neighbours_of_other_targets(folder: str) -> None:
-    """Drop from ``sys.modules`` what earlier targets' files imported from their own folders.
+    """Drop from ``sys.modules`` what an earlier target imported from its own folder where this target's
+    folder has a module of the same name.
 
     ``check a/model.py b/model.py``, where each imports ``layers`` from its folder: without this, b
-    would get a's ``layers`` (already imported) and be traced as a's model. A module counts as a
-    folder's neighbour when the folder holds its top-level package or file (``layers.py``,
-    ``layers/``); a virtual environment inside the folder does not (``venv/.../torch``), nor does
-    anything loaded before the first model file (gradtrace itself, torch).
+    would get a's ``layers`` (already imported) and be traced as a's model. A module counts as an
+    earlier folder's when that folder holds its top-level package or file (``layers.py``,
+    ``layers/``), and is dropped only where ``folder`` holds one of that name too: a package both
+    targets import from one place stays imported once (importing it twice could register its ops
+    twice). Nothing loaded before the first model file is dropped (gradtrace itself, torch).
     """
     if not _target_folders:
-        _loaded_before.update(sys.modules)  # gradtrace, torch, ...: whatever folder they live in
+        _loaded_before.update(sys.modules)
     others = [other for other in _target_folders if other != folder]
     if folder not in _target_folders:
         _target_folders.append(folder)
@@ -148,6 +150,8 @@ def _forget_neighbours_of_other_targets(folder: str) -> None:
         if not file or name in _loaded_before:
             continue
         top = name.partition(".")[0]
+        if not (os.path.isfile(os.path.join(folder, f"{top}.py")) or os.path.isdir(os.path.join(folder, top))):
+            continue  # this target has no module of that name: it would import the same one
         for other in others:
             try:
                 relative = os.path.relpath(file, other)

@@ -130,13 +130,15 @@ def _saved_buffers(modules: list[tuple[str, Any]]) -> list[tuple[Any, str, Any, 
     from torch.nn.parameter import is_lazy
 
     saved = []
-    seen: set[int] = set()
+    copies: dict[int, Any] = {}  # one copy of a buffer that several modules hold, each put back
     for _, module in modules:
         for name, buffer in module._buffers.items():
             # a lazy module's buffer has no value until its first call sets its shape (and keeps it)
-            if buffer is not None and id(buffer) not in seen and not is_lazy(buffer):
-                seen.add(id(buffer))
-                saved.append((module, name, buffer, buffer.detach().clone()))
+            if buffer is not None and not is_lazy(buffer):
+                copy = copies.get(id(buffer))
+                if copy is None:
+                    copy = copies[id(buffer)] = buffer.detach().clone()
+                saved.append((module, name, buffer, copy))
     return saved
 
 
@@ -151,7 +153,7 @@ def _restore_buffers(saved: list[tuple[Any, str, Any, Any]]) -> None:
                     module._buffers[name] = buffer
                 # compared, not told by the version counter: batch_norm updates its running statistics in
                 # place without bumping it
-                if not torch.equal(buffer, copy):
+                if buffer.layout is not torch.strided or not torch.equal(buffer, copy):  # (equal: strided only)
                     buffer.copy_(copy)
             except Exception:  # e.g. an inference tensor, which cannot be written outside inference mode
                 pass

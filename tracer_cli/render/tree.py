@@ -351,7 +351,7 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
                     parent.add(reference(node_id, "above"))
                 continue
             if not continues and options.depth is not None and depth > options.depth:
-                below = _reachable_unvisited(nodes, node_id, visited)
+                below = _reachable_unvisited(nodes, node_id, visited, waiting)  # a waiting node is shown later
                 visited.update(below)
                 budget.hidden += len(below)
                 if not full():
@@ -410,12 +410,12 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
     return root
 
 
-def _reachable_unvisited(nodes: tuple[Node, ...], start: int, visited: set[int]) -> set[int]:
+def _reachable_unvisited(nodes: tuple[Node, ...], start: int, visited: set[int], waiting: set[int]) -> set[int]:
     found: set[int] = set()
     stack = [start]
     while stack:
         node_id = stack.pop()
-        if node_id in found or node_id in visited:
+        if node_id in found or node_id in visited or node_id in waiting:
             continue
         found.add(node_id)
         stack.extend(c for c in nodes[node_id].next if c is not None)
