@@ -649,6 +649,13 @@ def _compare(traces, **kwargs):
     return compare(traces, **kwargs)
 
 
+def test_a_job_of_one_rank_agrees_with_itself():
+    """--nproc-per-node 1 (or torchrun with one process) compares one trace: nothing differs."""
+    comparison = _compare([_trace_variant(rank=0)])
+    assert comparison["first_divergent"] is None and comparison["unsynchronized_params"] == []
+    assert [row["rank"] for row in comparison["ranks"]] == [0]
+
+
 def test_compare_identical_traces_agree():
     comparison = _compare([_trace_variant(rank=0), _trace_variant(rank=1)])
     assert comparison["first_divergent"] is None

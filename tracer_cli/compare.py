@@ -191,8 +191,8 @@ def compare(
         loss, total parameter gradient norm, non-finite node count), ``nodes`` (per-node
         relative spreads), ``unsynchronized_params``, ``rtol``, ``atol``, ``note``.
     """
-    if len(traces) < 2:
-        raise ValueError("compare() needs at least two traces")
+    if not traces:  # one trace (a job of one rank) agrees with itself
+        raise ValueError("compare() needs a trace")
     if labels is None:
         ranks = [t.meta.rank for t in traces]
         labels = ranks if len(set(ranks)) == len(ranks) else list(range(len(traces)))  # runs, not ranks: positions
