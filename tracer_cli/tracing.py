@@ -151,9 +151,9 @@ def _restore_buffers(saved: list[tuple[Any, str, Any, Any]]) -> None:
             try:
                 if module._buffers.get(name) is not buffer:
                     module._buffers[name] = buffer
-                # compared, not told by the version counter: batch_norm updates its running statistics in
-                # place without bumping it
-                if buffer.layout is not torch.strided or not torch.equal(buffer, copy):  # (equal: strided only)
+                # compared (strided ones; torch.equal takes no other), not told by the version counter:
+                # batch_norm updates its running statistics in place without bumping it
+                if buffer.layout is not torch.strided or not torch.equal(buffer, copy):
                     buffer.copy_(copy)
             except Exception:  # e.g. an inference tensor, which cannot be written outside inference mode
                 pass
@@ -1585,7 +1585,7 @@ def trace(
     The model is left as it was found: each parameter's ``.grad`` (gradients of this
     backward are recorded, then discarded), each module's training flag, and each
     module's buffers (BatchNorm's running statistics, which a forward in train mode
-    updates) as the module's first call found them.
+    updates) as they were before forward.
     """
     import torch
 

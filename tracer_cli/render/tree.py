@@ -192,8 +192,13 @@ class _Budget:
         self.shown = 0
         self.hidden = 0
 
+    @property
+    def spent(self) -> bool:
+        """No node line is left: what remains is counted, not drawn."""
+        return self.limit is not None and self.shown >= self.limit
+
     def take(self) -> bool:
-        if self.limit is not None and self.shown >= self.limit:
+        if self.spent:
             self.hidden += 1
             return False
         self.shown += 1
@@ -269,7 +274,7 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
         label = Text(path.rpartition(".")[2] if path else "<root>", style="bold blue")
         if kind:
             label.append(f" ({kind})", style="blue")
-        if budget.limit is not None and budget.shown >= budget.limit:  # out of lines: one line for it all
+        if budget.spent:  # one line for the whole module
             hidden = len(count(path))
             budget.hidden += hidden
             label.append(f"  {hidden} {_plural(hidden, 'node')} not shown", style="dim")
@@ -321,9 +326,9 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
     visited: set[int] = set()
     branch_of: dict[int, Tree] = {}
     # A node reached by several parents (a residual stream's add, reached from the add after it and from
-    # the block between) waits until its last parent is shown, then continues at the level where it was
-    # first reached: the stream stays on one level and each block is one branch, instead of every add
-    # indenting once more. Until then it is referenced ("shown below").
+    # the block between) waits while its other parents are still to come in the branch being drawn, then
+    # continues at the level where it was first reached: the stream stays on one level and each block is
+    # one branch, instead of every add indenting once more. Until then it is referenced ("shown below").
     parents = Counter(child for node in nodes for child in set(node.next) if child is not None)
     shown_parents: Counter[int] = Counter()
     waiting: set[int] = set()
@@ -336,9 +341,6 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
         arrow = "↑" if where == "above" else "↓"
         return Text(f"{arrow} #{node_id} {short_name(nodes[node_id].name)} (shown {where})", style="dim")
 
-    def full() -> bool:  # out of node lines: the rest is walked and counted, and adds no line
-        return budget.limit is not None and budget.shown >= budget.limit
-
     def walk(container: Tree, start: int, level: int) -> None:
         # (parent, node, depth, continues): a node that continues parent's chain is added to it as one more
         # node of the chain, not as the head of a new branch
@@ -347,14 +349,14 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
             parent, node_id, depth, continues = pending.pop()
             waiting.discard(node_id)
             if node_id in visited:
-                if not continues and not full():
+                if not continues and not budget.spent:
                     parent.add(reference(node_id, "above"))
                 continue
             if not continues and options.depth is not None and depth > options.depth:
                 below = _reachable_unvisited(nodes, node_id, visited, waiting)  # a waiting node is shown later
                 visited.update(below)
                 budget.hidden += len(below)
-                if not full():
+                if not budget.spent:
                     parent.add(Text(f"… {len(below)} nodes below (raise --depth to see them)", style="dim"))
                 continue
             show(node_id)
@@ -370,7 +372,7 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
             while True:
                 kids = list(dict.fromkeys(c for c in nodes[current].next if c is not None))
                 for kid in kids:
-                    if full():
+                    if budget.spent:
                         break
                     if kid in visited:
                         branch.add(reference(kid, "above"))
@@ -402,7 +404,7 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
             continue
         if node.created_in not in groups:
             label = Text(f"created during backward of #{node.created_in}", style="dim")
-            groups[node.created_in] = branch_of[node.created_in] if full() else branch_of[node.created_in].add(label)
+            groups[node.created_in] = branch_of[node.created_in] if budget.spent else branch_of[node.created_in].add(label)
         walk(groups[node.created_in], node.id, 1)
     for node in nodes:
         if node.id not in visited:
