@@ -382,6 +382,18 @@ def test_gradcheck_gives_no_verdict_at_a_kink():
     assert check.passed is True
 
 
+def test_gradcheck_checks_a_smooth_function_where_its_derivative_vanishes():
+    """``x * x`` at exact zeros: the forward and backward differences disagree there too (by the
+    curvature), but that is no kink: a verdict all the same, right or wrong."""
+    x = torch.zeros(16, 32)
+    square = _elementwise_function("MySquare", torch.square, lambda x: 2 * x)
+    check = _gradcheck_of(square, x)
+    assert check.passed is True and check.error is None
+    wrong = _elementwise_function("WrongSquare", torch.square, lambda x: 2 * x + 1)  # 1 where 0 is right
+    check = _gradcheck_of(wrong, x)
+    assert check.passed is False and check.error is None
+
+
 def test_check_fails_on_gradcheck_and_passes_correct_functions():
     bad = invoke("check", str(SAMPLES_DIR / "wrong_backward.py"), "--gradcheck")
     assert bad.exit_code == 1

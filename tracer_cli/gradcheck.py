@@ -115,8 +115,12 @@ def _directional_mismatch(function: Any, inputs: list[Any]) -> tuple[float, bool
     Returns their relative difference and a verdict: True where they agree to ``RTOL`` beyond what
     float64 rounding of the outputs explains (it matters where the derivative is tiny beside the
     values, a saturated activation), False where they do not, None where ``f`` is not differentiable
-    at ``x`` along the direction: the forward and the backward difference disagree with the analytical
-    derivative differently (a kink on the way, ReLU's at an input that is exactly 0).
+    at ``x`` along the direction (a kink on the way, ReLU's at an input that is exactly 0).
+
+    A kink shows as a forward and a backward difference that disagree with the analytical derivative
+    differently, by an amount that grows with the step. A smooth function's differences disagree too,
+    by its curvature, where its derivative vanishes (``x * x`` at 0): that amount grows with the
+    step's square. So where they disagree, the step is doubled: the disagreement doubling is a kink.
 
     The step is small (``_STEP``) so that few elements straddle a kink; the analytical derivative is
     taken along the displacement actually made (``x + h`` is rounded).
@@ -129,30 +133,38 @@ def _directional_mismatch(function: Any, inputs: list[Any]) -> tuple[float, bool
     outputs = [o for o, kept in zip(produced, keep) if kept]
     weights = [torch.randn_like(o) for o in outputs]
     grads = torch.autograd.grad(outputs, differentiable, weights, allow_unused=True)
+    here = [o.detach() for o in outputs]
+    direction = [torch.randn_like(x) for x in differentiable]
 
     def dot(pairs: Any) -> float:
         return sum(float((a * b).sum()) for a, b in pairs if a is not None)
 
-    with torch.no_grad():
-        steps = iter([_STEP * torch.randn_like(x) for x in differentiable])
-        moved = [(x.detach(), next(steps)) if x.requires_grad else None for x in inputs]
-        ahead = [x if m is None else m[0] + m[1] for x, m in zip(inputs, moved)]
-        behind = [x if m is None else m[0] - m[1] for x, m in zip(inputs, moved)]
-        plus = [p for p, kept in zip(_tensors_in(function(*ahead), torch.Tensor), keep) if kept]
-        minus = [m for m, kept in zip(_tensors_in(function(*behind), torch.Tensor), keep) if kept]
-        here = [o.detach() for o in outputs]
-        moved_by = [(a - x.detach(), x.detach() - b) for a, b, x in zip(ahead, behind, inputs) if x.requires_grad]
-        analytical_ahead = dot(zip(grads, (d for d, _ in moved_by)))
-        analytical_behind = dot(zip(grads, (d for _, d in moved_by)))
-        numerical_ahead = dot((w, p - o) for w, p, o in zip(weights, plus, here))
-        numerical_behind = dot((w, o - m) for w, o, m in zip(weights, here, minus))
-        magnitudes = (w.abs() * (p.abs() + 2 * o.abs() + m.abs()) for w, p, o, m in zip(weights, plus, here, minus))
-        rounding = _ROUNDING * sum(float(t.sum()) for t in magnitudes)
-    analytical = analytical_ahead + analytical_behind
-    numerical = numerical_ahead + numerical_behind
+    def differences(step: float) -> tuple[float, float, float, float]:
+        """``(analytical, numerical, rounding)`` of a central difference at ``step``: the sums of the
+        forward and the backward difference, and the excess of the forward one over the backward one."""
+        with torch.no_grad():
+            steps = iter([step * d for d in direction])
+            moved = [(x.detach(), next(steps)) if x.requires_grad else None for x in inputs]
+            ahead = [x if m is None else m[0] + m[1] for x, m in zip(inputs, moved)]
+            behind = [x if m is None else m[0] - m[1] for x, m in zip(inputs, moved)]
+            plus = [p for p, kept in zip(_tensors_in(function(*ahead), torch.Tensor), keep) if kept]
+            minus = [m for m, kept in zip(_tensors_in(function(*behind), torch.Tensor), keep) if kept]
+            moved_by = [(a - x.detach(), x.detach() - b) for a, b, x in zip(ahead, behind, inputs) if x.requires_grad]
+            analytical_ahead = dot(zip(grads, (d for d, _ in moved_by)))
+            analytical_behind = dot(zip(grads, (d for _, d in moved_by)))
+            numerical_ahead = dot((w, p - o) for w, p, o in zip(weights, plus, here))
+            numerical_behind = dot((w, o - m) for w, o, m in zip(weights, here, minus))
+            magnitudes = (w.abs() * (p.abs() + 2 * o.abs() + m.abs()) for w, p, o, m in zip(weights, plus, here, minus))
+            rounding = _ROUNDING * sum(float(t.sum()) for t in magnitudes)
+        excess = (numerical_ahead - analytical_ahead) - (numerical_behind - analytical_behind)
+        return analytical_ahead + analytical_behind, numerical_ahead + numerical_behind, excess, rounding
+
+    analytical, numerical, excess, rounding = differences(_STEP)
     scale = max(abs(analytical), abs(numerical), 1e-300)
     tolerance = RTOL * scale + rounding
     mismatch = abs(analytical - numerical) / scale
-    if abs((numerical_ahead - analytical_ahead) - (numerical_behind - analytical_behind)) > tolerance:
-        return mismatch, None
+    if abs(excess) > tolerance:
+        doubled = differences(2 * _STEP)[2]
+        if abs(doubled - 2 * excess) <= abs(doubled - 4 * excess):  # grows with the step: a kink
+            return mismatch, None
     return mismatch, abs(analytical - numerical) <= tolerance
