@@ -1,7 +1,8 @@
 """Tracing overhead against a plain forward+backward, and against peers, in one process.
 
     python benchmarks/overhead.py                 # every workload, 9 interleaved rounds
-                                                  # (hf-gpt2 too where transformers is installed)
+                                                  # (hf-gpt2 where transformers is installed,
+                                                  # tv-resnet18 where torchvision is)
     python benchmarks/overhead.py tiny-ops --rounds 15
     python benchmarks/overhead.py --memory        # also peak memory, one subprocess per method
 

@@ -215,6 +215,15 @@ def hf_gpt2() -> Workload:
     return model, (torch.randint(0, 5000, (4, 128)),), lambda loss: loss
 
 
+def tv_resnet18() -> Workload:
+    """torchvision's ResNet-18 (random weights, 10 classes): batch 32, 32x32 images."""
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=10)
+    labels = torch.randint(0, 10, (32,))
+    return model, (torch.randn(32, 3, 32, 32),), lambda logits: F.cross_entropy(logits, labels)
+
+
 WORKLOADS: dict[str, Callable[[], Workload]] = {
     "gpt2-style": gpt2_style,
     "resnet-style": resnet_style,
@@ -226,3 +235,5 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
 }
 if importlib.util.find_spec("transformers") is not None:  # not a gradtrace dependency; imported when used
     WORKLOADS["hf-gpt2"] = hf_gpt2
+if importlib.util.find_spec("torchvision") is not None:
+    WORKLOADS["tv-resnet18"] = tv_resnet18
