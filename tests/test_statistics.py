@@ -85,7 +85,51 @@ def test_large_gradients_norms_are_accurate():
     x = torch.randn(1 << 20) * 3 + 1
     result = trace(lambda x: (x * x).sum(), (x,))
     expected = float((2 * x.double()).norm())
-    assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(expected, rel=1e-5)
+    assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(expected, rel=1e-5, abs=0)
+
+
+class _Vanishing(torch.nn.Module):
+    """A parameter whose gradient elements are about 1e-24: their float32 squares underflow to 0."""
+
+    def __init__(self, size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(size, dtype=dtype))
+        self.zero = torch.nn.Parameter(torch.randn(size, dtype=dtype))
+
+    def forward(self, x):
+        return (x * self.weight).sum() * 1e-24 + (x * self.zero * 0).sum()
+
+
+@pytest.mark.parametrize("size", [8, 1 << 16], ids=["batched", "at-once"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_gradients_are_not_read_as_zero(size, dtype):
+    """Vanishing gradients keep their norms (against float64 norms of a plain backward's ``.grad``);
+    a gradient that is exactly zero stays 0, and only it is reported as a dead parameter."""
+    torch.manual_seed(0)
+    model = _Vanishing(size, dtype)
+    x = torch.randn(size, dtype=dtype)
+    result = trace(model, (x,), input_grad=False)
+    model(x).backward()
+    expected = {name: float(p.grad.double().norm()) for name, p in model.named_parameters()}
+    assert 1e-25 < expected["weight"] < 1e-20 and expected["zero"] == 0.0
+    assert dict((name, stat.norm) for name, stat in result.param_grads) == pytest.approx(expected, rel=1e-5, abs=0)
+    assert result.leaf("weight").grad_norm == pytest.approx(expected["weight"], rel=1e-5, abs=0)
+    assert result.leaf("zero").grad_norm == 0.0
+    from tracer_cli.checks import trace_findings
+
+    zero = [f.param for f in trace_findings(result) if f.kind == "zero"]
+    assert zero == ["zero"]
+
+
+def test_tiny_forward_values_of_a_multi_output_op_keep_their_norm():
+    x = torch.randn(8)
+
+    def model(x):
+        a, b = (x * 1e-24).split(4)  # one node, two outputs: their joint norm
+        return (a + b).sum()
+
+    (split,) = trace(model, (x,), forward_stats=True).find("SplitBackward0")
+    assert split.forward.norm == pytest.approx(float((x.double() * 1e-24).norm()), rel=1e-5, abs=0)
 
 
 def test_large_gradients_are_not_kept_until_the_end():

@@ -541,6 +541,10 @@ PENDING_NUMEL = 1 << 22
 PENDING_CALLS = 1 << 8
 OUT_CHUNK = 1024  # norms taken one at a time are written into buffers of this many values
 NO_VALUE = -1  # the position of a norm that could not be taken
+# A float32 sum of squares below TINY_SQUARE (a norm below TINY_NORM) may have lost elements whose squares
+# underflow (below about 1e-19 each); above it, what is lost is within float32 rounding.
+TINY_SQUARE = 2.0**-100
+TINY_NORM = 2.0**-50
 
 
 _SHAPE, _DTYPE, _LAYOUT = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("layout")
@@ -595,15 +599,44 @@ class _Stats:
                     if tensor.dim() == 2 and tensor.t().is_contiguous():  # a weight's gradient, transposed back
                         flat = tensor.t().view(-1)
                         return self._dot(flat, flat, out=out), True
-                values = tensor
-            else:  # an uncoalesced sparse tensor's values() repeat indices: coalesce for the right norm
-                values = tensor.coalesce().values() if tensor.is_sparse else tensor.values()
+            values = self._elements(tensor)
             if tensor.dtype in self._wide:
                 return self._vector_norm(values, out=out), False
             # float32 or wider, so bf16/fp16 gradients do not overflow the norm
             return self._vector_norm(values, dtype=self._float32, out=out), False
         except Exception:
             return None, False
+
+    def _elements(self, tensor: Any) -> Any:
+        """The tensor, or a sparse tensor's stored values (an uncoalesced one's repeat indices: coalesced)."""
+        if tensor.layout is self._strided:
+            return tensor
+        return tensor.coalesce().values() if tensor.is_sparse else tensor.values()
+
+    def _underflowed(self, tensor: Any, norm: Any, squared: bool) -> bool:
+        """Whether a float32 norm (or its square) is small enough that squares of the tensor's elements
+        may have underflowed: elements all below about 1e-19 read as 0. Known only where the norm can
+        be read at once (:meth:`_readable_now`); elsewhere such a norm stays as it is."""
+        if norm.dtype is not self._float32 or tensor.numel() == 0 or not self._readable_now(tensor, norm):
+            return False  # (an empty tensor's norm is 0, and it has no largest element)
+        return norm.item() < (TINY_SQUARE if squared else TINY_NORM)
+
+    def _readable_now(self, tensor: Any, norm: Any) -> bool:
+        """Plain tensors on the CPU: reading a value there costs no synchronisation with a device (and
+        a tensor subclass's read may be a collective)."""
+        plain = self._torch.Tensor
+        return type(norm) is plain and type(tensor) is plain and tensor.is_cpu
+
+    def _scaled_norms(self, rows: Any) -> Any:
+        """The norm of each row, in float64, of elements scaled by the row's largest: exact where a float32
+        sum of squares underflows."""
+        torch = self._torch
+        if rows.dtype not in self._wide:  # bf16 and fp16 scaled in float32, not rounded again
+            rows = rows.to(self._float32)
+        largest = self._vector_norm(rows, ord=math.inf, dim=-1, keepdim=True)
+        scaled = rows / torch.where(largest > 0, largest, torch.ones_like(largest))
+        norms = largest.to(self._float64) * self._vector_norm(scaled, dim=-1, keepdim=True).to(self._float64)
+        return norms.reshape(rows.shape[:-1])
 
     def _result_dtype(self, dtype: Any) -> Any:
         return self._float64 if dtype in self._double else self._float32
@@ -622,6 +655,8 @@ class _Stats:
         if norm is None:
             return NO_VALUE
         buffer[2] = used + 1
+        if self._underflowed(tensor, norm, squared):
+            return self.value(self._scaled_norms(self._elements(tensor).reshape(1, -1))[0])
         if squared:
             self._squared.append(first + used)
         return first + used
@@ -723,6 +758,8 @@ class _Stats:
             norms = self._vector_norm(rows, dim=1)
         else:
             norms = self._vector_norm(rows, dim=1, dtype=self._float32)
+        if len(norms) and self._underflowed(stacked, norms.min(), False):
+            norms = self._scaled_norms(rows)
         first = self.value(norms)
         return range(first, first + len(norms))
 
@@ -730,6 +767,12 @@ class _Stats:
         """One slot for several tensors (the outputs of one multi-output op): their joint norm."""
         torch = self._torch
         parts = [self._norm_tensor(tensor) for tensor in tensors]
+        parts = [
+            (self._scaled_norms(self._elements(t).reshape(1, -1))[0], False)
+            if norm is not None and self._underflowed(t, norm, squared)
+            else (norm, squared)
+            for t, (norm, squared) in zip(tensors, parts)
+        ]
         slot = self._new_slot(tensors[0])
         self.shapes[slot] = (sum(t.numel() for t in tensors),)
         if any(norm is None for norm, _ in parts):
