@@ -524,6 +524,44 @@ def test_node_lines_are_not_folded_when_stdout_is_not_a_terminal(runner, monkeyp
     assert max(map(len, lines)) > 80  # long enough that 80 columns would fold them
 
 
+WIDE_FILE = """
+    import torch
+    from torch import nn
+
+    class CatMany(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.name = "encoder_layer_with_a_rather_long_name_" * 3
+            self.add_module(self.name, nn.Linear(4, 4))
+
+        def forward(self, x):
+            parts = [self.proj(x) * i for i in range(12)]
+            return torch.cat(parts, dim=1) + 0 * getattr(self, self.name)(x).sum()
+
+    def build_model():
+        return CatMany()
+
+    def example_inputs():
+        return torch.randn(2, 4)
+"""
+
+
+def test_lines_longer_than_any_terminal_are_not_folded_either(runner, monkeypatch, tmp_path):
+    """A node with a dozen inputs, a finding with a long parameter name: hundreds of columns, one line each."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    path = write_model(tmp_path, WIDE_FILE)
+    result = invoke(runner, "run", str(path))
+    assert result.exit_code == 0
+    (cat,) = [line for line in node_lines(result.stdout) if "CatBackward0" in line]
+    assert cat.count("(2, 4)") == 12 and "grad_out (2, 48)" in cat and len(cat) > 250, result.stdout
+    result = invoke(runner, "check", str(path), "--warn-on", "zero")
+    assert result.exit_code == 0
+    rows = [line for line in result.stdout.splitlines() if "AccumulateGrad" in line]
+    assert len(rows) == 2 and all(line.rstrip().endswith("(a dead parameter)") for line in rows), result.stdout
+    assert all(line.startswith("warn") and len(line) > 250 for line in rows), result.stdout
+
+
 def test_filter(runner):
     result = invoke(runner, "run", str(SAMPLES / "mlp.py"), "--filter", "fc2", "--all")
     assert result.exit_code == 0

@@ -745,7 +745,8 @@ def _finish_check(options: _Options, reports: list[Any], console: Any, prefix: s
 
 def _log_console(record: bool = False) -> Any:
     """stdout; when it is not a terminal (a CI log, a pipe, a file), wide enough that a node line or a
-    table row is not folded (Rich's default there is 80 columns), so that each can be grepped whole."""
+    table row is not folded (Rich's default there is 80 columns), so that each can be grepped whole.
+    Nothing printed fills the width: each line is as long as what it says."""
     import os
 
     from rich.console import Console
@@ -756,7 +757,7 @@ def _log_console(record: bool = False) -> Any:
     return console
 
 
-_LOG_WIDTH = 200
+_LOG_WIDTH = 10_000
 
 
 def _run_ranks(options: _Options, info: Any) -> NoReturn:

@@ -15,7 +15,12 @@ SVG_ID = "gradtrace"
 
 
 def export_svg(console: Any, title: str = "gradtrace") -> str:
-    """What a recording console printed, as SVG (the fixed id keeps the file byte-stable)."""
+    """What a recording console printed, as SVG (the fixed id keeps the file byte-stable), as wide as its
+    widest line: a console that is not a terminal is far wider than what it prints."""
+    from rich.cells import cell_len
+
+    widest = max(map(cell_len, console.export_text(clear=False).splitlines()), default=1)
+    console.width = min(console.width, max(widest, 1))
     return console.export_svg(title=title, unique_id=SVG_ID, clear=False)
 
 
