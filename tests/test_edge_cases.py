@@ -502,6 +502,17 @@ def test_loss_key_is_used(x3):
     assert result.meta.loss == pytest.approx(float(model(x3)["loss"].detach()))
 
 
+def test_namedtuple_output_is_reduced_by_field_name():
+    """torchvision's Inception returns InceptionOutputs(logits, aux_logits) in train mode."""
+    import collections
+
+    Outputs = collections.namedtuple("Outputs", ["logits", "aux_logits"])
+    x = torch.randn(3)
+    result = trace(lambda x: Outputs(x * 2, x * 3), (x,))
+    assert result.meta.loss_rule == "sum of .sum() over output.logits, output.aux_logits"
+    assert result.meta.loss == pytest.approx(float(5 * x.sum()), rel=1e-6)
+
+
 def test_complex_output_without_loss_fn_says_so():
     from tracer_cli.errors import ModelError
 

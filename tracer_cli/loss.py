@@ -15,8 +15,8 @@ def floating_outputs(output: Any, path: str = "output", complex_: bool = False) 
     """Every real floating-point tensor in a (nested) model output, with its path (with ``complex_``,
     every complex one).
 
-    Walks tensors, tuples/lists, mappings (dicts, Hugging Face ``ModelOutput``)
-    and dataclasses.
+    Walks tensors, tuples/lists (a namedtuple's items named by field), mappings (dicts, Hugging Face
+    ``ModelOutput``) and dataclasses.
     """
     import torch
 
@@ -24,6 +24,8 @@ def floating_outputs(output: Any, path: str = "output", complex_: bool = False) 
         return [(path, output)] if (output.is_complex() if complex_ else output.is_floating_point()) else []
     if isinstance(output, Mapping):
         items = [(f"{path}[{key!r}]", value) for key, value in output.items()]
+    elif isinstance(output, tuple) and hasattr(type(output), "_fields"):  # a namedtuple: by field name
+        items = [(f"{path}.{name}", value) for name, value in zip(type(output)._fields, output)]
     elif isinstance(output, (tuple, list)):
         items = [(f"{path}[{index}]", value) for index, value in enumerate(output)]
     elif dataclasses.is_dataclass(output) and not isinstance(output, type):
