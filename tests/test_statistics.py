@@ -121,6 +121,13 @@ def test_tiny_gradients_are_not_read_as_zero(size, dtype):
     assert zero == ["zero"]
 
 
+def test_tiny_and_infinite_gradients_in_one_batch_keep_their_norms():
+    x, y = torch.randn(8), torch.randn(8)
+    result = trace(lambda x, y: (x * 1e-24).sum() + (y * float("inf")).sum(), (x, y))
+    assert result.leaf("input:0").grad_norm == pytest.approx(1e-24 * math.sqrt(8), rel=1e-6, abs=0)
+    assert result.leaf("input:1").grad_norm == math.inf and result.leaf("input:1").nonfinite_kind == "inf"
+
+
 def test_tiny_forward_values_of_a_multi_output_op_keep_their_norm():
     x = torch.randn(8)
 

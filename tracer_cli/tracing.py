@@ -614,12 +614,14 @@ class _Stats:
         return tensor.coalesce().values() if tensor.is_sparse else tensor.values()
 
     def _underflowed(self, tensor: Any, norm: Any, squared: bool) -> bool:
-        """Whether a float32 norm (or its square) is small enough that squares of the tensor's elements
-        may have underflowed: elements all below about 1e-19 read as 0. Known only where the norm can
-        be read at once (:meth:`_readable_now`); elsewhere such a norm stays as it is."""
+        """Whether a float32 norm (or its square; or any of a 1-d tensor of norms) is small enough that
+        squares of the tensor's elements may have underflowed: elements all below about 1e-19 read as 0.
+        Known only where the norm can be read at once (:meth:`_readable_now`); elsewhere such a norm
+        stays as it is."""
         if norm.dtype is not self._float32 or tensor.numel() == 0 or not self._readable_now(tensor, norm):
             return False  # (an empty tensor's norm is 0, and it has no largest element)
-        return norm.item() < (TINY_SQUARE if squared else TINY_NORM)
+        limit = TINY_SQUARE if squared else TINY_NORM
+        return norm.item() < limit if norm.dim() == 0 else bool((norm < limit).any())
 
     def _readable_now(self, tensor: Any, norm: Any) -> bool:
         """Plain tensors on the CPU: reading a value there costs no synchronisation with a device (and
@@ -758,8 +760,8 @@ class _Stats:
             norms = self._vector_norm(rows, dim=1)
         else:
             norms = self._vector_norm(rows, dim=1, dtype=self._float32)
-        if len(norms) and self._underflowed(stacked, norms.min(), False):
-            norms = self._scaled_norms(rows)
+        if self._underflowed(stacked, norms, False):  # only those rows: a non-finite norm stays as it is
+            norms = self._torch.where(norms < TINY_NORM, self._scaled_norms(rows), norms.to(self._float64))
         first = self.value(norms)
         return range(first, first + len(norms))
 
