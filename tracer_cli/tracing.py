@@ -562,6 +562,7 @@ class _Stats:
         import torch
 
         self._torch = torch
+        self._plain = torch.Tensor
         self._strided = torch.strided
         self._float32 = torch.float32
         self._vector_norm = torch.linalg.vector_norm
@@ -624,10 +625,12 @@ class _Stats:
         return norm.item() < limit if norm.dim() == 0 else bool((norm < limit).any())
 
     def _readable_now(self, tensor: Any, norm: Any) -> bool:
-        """Plain tensors on the CPU: reading a value there costs no synchronisation with a device (and
-        a tensor subclass's read may be a collective)."""
-        plain = self._torch.Tensor
-        return type(norm) is plain and type(tensor) is plain and tensor.is_cpu
+        """Plain tensors (a tensor subclass's read may be a collective) on a device read at once."""
+        return type(norm) is self._plain and type(tensor) is self._plain and self._reads_at_once(tensor.device)
+
+    def _reads_at_once(self, device: Any) -> bool:
+        """The CPU: reading a value there costs no synchronisation with a device."""
+        return device.type == "cpu"
 
     def _scaled_norms(self, rows: Any) -> Any:
         """The norm of each row, in float64, of elements scaled by the row's largest: exact where a float32
@@ -651,14 +654,17 @@ class _Stats:
         buffer = self._buffers.get(key)
         if buffer is None or buffer[2] == OUT_CHUNK:
             values = self._torch.empty(OUT_CHUNK, dtype=key[1], device=key[0])
-            buffer = self._buffers[key] = [values, self.value(values), 0]
-        values, first, used = buffer
+            readable = key[1] is self._float32 and self._reads_at_once(key[0])
+            buffer = self._buffers[key] = [values, self.value(values), 0, readable]
+        values, first, used, readable = buffer
         norm, squared = self._norm_tensor(tensor, out=values[used])
         if norm is None:
             return NO_VALUE
         buffer[2] = used + 1
-        if self._underflowed(tensor, norm, squared):
-            return self.value(self._scaled_norms(self._elements(tensor).reshape(1, -1))[0])
+        # _underflowed(), inlined: this runs for every large gradient
+        if readable and type(tensor) is self._plain and norm.item() < (TINY_SQUARE if squared else TINY_NORM):
+            if tensor.numel():
+                return self.value(self._scaled_norms(self._elements(tensor).reshape(1, -1))[0])
         if squared:
             self._squared.append(first + used)
         return first + used
