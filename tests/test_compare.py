@@ -137,3 +137,32 @@ def test_relative_spread():
     assert relative_spread([0.0, 0.0]) == 0.0
     assert relative_spread([math.nan, 1.0]) == math.inf
     assert relative_spread([None, None]) is None
+
+
+def _comparison_text(comparison) -> str:
+    from rich.console import Console
+
+    from tracer_cli.render.comparison import render_comparison
+
+    console = Console(width=300, color_system=None)
+    with console.capture() as captured:
+        console.print(render_comparison(comparison))
+    return captured.get()
+
+
+def test_the_comparison_says_agree_only_when_nothing_differs():
+    agree = _comparison_text(compare([traced(), traced()], labels=[0, 1]))
+    assert "ranks agree" in agree and "differ" not in agree
+    # a weight that differs (no DDP to average it): the divergence, and the gradients it changed are listed too
+    differ = compare([traced(), traced(lambda m: m.head.weight.data.mul_(2))], labels=[0, 1])
+    assert differ["first_divergent"] is not None and "first.weight" in differ["unsynchronized_params"]
+    text = _comparison_text(differ)
+    assert "first divergence" in text and "first.weight" in text.split("after backward: ")[1]
+    assert "ranks agree" not in text and "gradients agree across" not in text
+    # --rank-seed: node values are not compared; parameter gradients that differ are not "agree"
+    rank_seeded = compare([traced(), traced(lambda m: m.head.weight.data.mul_(2))], inputs_differ=True, labels=[0, 1])
+    text = _comparison_text(rank_seeded)
+    assert "ranks agree" not in text and "gradients agree across" not in text, text
+    assert "first.weight" in text.split("after backward: ")[1]
+    healthy = _comparison_text(compare([traced(), traced()], inputs_differ=True, labels=[0, 1]))
+    assert "parameter gradients agree across ranks" in healthy and "ranks agree" not in healthy

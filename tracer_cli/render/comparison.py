@@ -42,17 +42,20 @@ def render_comparison(comparison: dict[str, Any]) -> RenderableType:
         )
     parts: list[RenderableType] = [table]
     first = comparison.get("first_divergent")
-    if first is None:
-        parts.append(Text(f"ranks agree (rtol {comparison['rtol']:g})", style="green"))
-    else:
+    unsynchronized = comparison.get("unsynchronized_params") or []
+    if first is None and not unsynchronized:
+        # with a note (--rank-seed), node values were not compared: only the parameter gradients agree
+        agree = "parameter gradients agree across ranks" if comparison.get("note") else "ranks agree"
+        parts.append(Text(f"{agree} (rtol {comparison['rtol']:g})", style="green"))
+    elif first is not None:
         where = first["param"] or (f"in {first['module'] or '<root>'}" if first["module"] is not None else "outside any module")
         text = Text("first divergence: ", style="bold red")
         text.append(f"{first['kind']} at #{first['id']} {short_name(first['name'])} {where}", style="bold red")
         text.append(f"  ({who_differs(first['ranks'])})", style="red")
         parts.append(text)
         parts.append(Text(_KIND_HELP[first["kind"]], style="dim"))
-    if first is None and comparison.get("unsynchronized_params"):  # with an origin they are its consequence
-        names = comparison["unsynchronized_params"]
+    if unsynchronized:  # not averaged across ranks (no DDP), or what the origin above led to
+        names = unsynchronized
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         parts.append(Text(f"parameter gradients that differ across ranks after backward: {shown}", style="yellow"))
     if comparison.get("note"):
