@@ -441,3 +441,27 @@ def test_dot_has_one_box_per_node_and_an_edge_per_next_function():
     red = {int(line.split()[0][1:]) for line in boxes if "#e53935" in line}
     assert red == nonfinite
     assert dot == export_dot(result)
+
+
+def test_diff_does_not_say_agree_when_parameter_gradients_differ():
+    """Every node agrees, but a post-accumulate-grad hook scales one run's ``.grad``: not "the traces agree"."""
+    from tracer_cli.compare import compare
+    from tracer_cli.render.diff import render_diff
+
+    def run(scale):
+        def scale_grad(parameter):
+            parameter.grad.mul_(scale)
+
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        model.weight.register_post_accumulate_grad_hook(scale_grad)
+        return trace(model, torch.ones(3, 4), forward_stats=True)
+
+    a, b = run(1.0), run(3.0)
+    comparison = compare([a, b])
+    assert comparison["first_divergent"] is None and comparison["unsynchronized_params"] == ["weight"]
+    console = Console(width=200, color_system=None)
+    with console.capture() as captured:
+        console.print(render_diff(a, b, comparison, ("a", "b")))
+    text = captured.get()
+    assert "agree" not in text and "parameter gradients that differ: weight" in text, text

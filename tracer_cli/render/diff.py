@@ -37,9 +37,9 @@ def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[st
     """The origin (node, module or parameter, kind, the two values) and a table of the most different nodes."""
     parts: list[RenderableType] = []
     first = comparison["first_divergent"]
-    if first is None:
+    if first is None and not comparison.get("unsynchronized_params"):
         parts.append(Text(f"the traces agree (rtol {comparison['rtol']:g})", style="green"))
-    else:
+    elif first is not None:
         node_a = a.nodes[first["id"]] if first["id"] < len(a.nodes) else None
         node_b = b.nodes[first["id"]] if first["id"] < len(b.nodes) else None
         text = Text("first difference: ", style="bold red")
