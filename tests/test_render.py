@@ -130,6 +130,12 @@ def test_graph_view_depth_keeps_the_residual_stream():
     assert "nodes below" in text
 
 
+def test_graph_view_depth_counts_in_words():
+    result = trace(lambda x, y: (x * y).sum(), (torch.randn(3), torch.randn(3)))
+    text = render_text(result, TreeOptions(view="graph", max_nodes=None, depth=0))
+    assert text.count("… 1 node below (raise --depth to see it)") == 2, text
+
+
 @pytest.mark.parametrize("limit", [5, 40])
 def test_graph_view_cut_short_is_bounded(limit):
     """Past --max-nodes nothing more is drawn (no placeholder line per branch); the footer counts the rest."""

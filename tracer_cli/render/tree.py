@@ -305,7 +305,7 @@ def _summarise(branch: Tree, nodes: list[Node]) -> None:
         return
     norms = [n.grad_norm for n in nodes if n.grad_norm is not None and math.isfinite(n.grad_norm)]
     bad = sum(1 for n in nodes if n.nonfinite_kind)
-    text = Text(f"… {len(nodes)} nodes in submodules", style="dim")
+    text = Text(f"… {len(nodes)} {_plural(len(nodes), 'node')} in submodules", style="dim")
     if norms:
         text.append(f", largest grad_out ‖{format_norm(max(norms))}‖", style="dim")
     if bad:
@@ -357,7 +357,7 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
                 visited.update(below)
                 budget.hidden += len(below)
                 if not budget.spent:
-                    parent.add(Text(f"… {len(below)} nodes below (raise --depth to see them)", style="dim"))
+                    parent.add(Text(f"… {len(below)} {_plural(len(below), 'node')} below (raise --depth to see {'it' if len(below) == 1 else 'them'})", style="dim"))
                 continue
             show(node_id)
             branch = parent
