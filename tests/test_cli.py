@@ -322,6 +322,13 @@ def test_eval_flag_and_mode_restored(runner, tmp_path):
         ("def broken(:\n    pass\n", [], 3, ["syntax error", "model_file.py:1"]),
         ("x = 1\n", [], 3, ["neither `model` nor `build_model`"]),
         (MLP_FILE, [":nothing"], 3, ["no attribute 'nothing'", "hint"]),
+        (
+            "import torch.nn as nn\nbig = nn.Linear(8, 8)\ndef build_small(width=4):\n    return nn.Linear(width, width)\n"
+            "def helper(x):\n    return x\ndef example_inputs():\n    return None\n",
+            [":nothing"],
+            3,
+            ["models found there: big, build_small\n"],
+        ),
         ("import torch.nn as nn\nmodel = nn.Linear(2, 2)\n", [], 2, ["no inputs", "-i"]),
         (MLP_FILE, ["-i", "float32[8,x]"], 2, ["'float32[8,x]'", "DTYPE"]),
         (MLP_FILE, ["-i", "float32[3,5]"], 3, ["forward in module '0' (Linear)", "RuntimeError", "float32[3, 5]"]),

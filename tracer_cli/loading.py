@@ -234,15 +234,18 @@ def resolve_model(value: Any, label: str) -> Any:
 
 
 def _model_candidates(module: ModuleType) -> list[str]:
-    """Names in ``module`` that look like models: module instances and classes defined there."""
+    """Names in ``module`` that look like models: module instances, and classes and factories (functions
+    without required parameters, other than the contract's ``example_inputs``) defined there."""
     import torch.nn as nn
 
     found = []
     for key, value in vars(module).items():
-        if key.startswith("_"):
+        if key.startswith("_") or key in ("example_inputs", "loss_fn"):
             continue
-        defined_here = inspect.isclass(value) and issubclass(value, nn.Module) and value.__module__ == module.__name__
-        if isinstance(value, nn.Module) or defined_here:
+        defined_here = getattr(value, "__module__", None) == module.__name__
+        model_class = inspect.isclass(value) and issubclass(value, nn.Module)
+        factory = inspect.isfunction(value) and _is_factory(value)
+        if isinstance(value, nn.Module) or (defined_here and (model_class or factory)):
             found.append(key)
     return found
 
