@@ -333,6 +333,7 @@ def test_eval_flag_and_mode_restored(runner, tmp_path):
         (MLP_FILE, ["-i", "float32[8,x]"], 2, ["'float32[8,x]'", "DTYPE"]),
         (MLP_FILE, ["-i", "float32[3,5]"], 3, ["forward in module '0' (Linear)", "RuntimeError", "float32[3, 5]"]),
         (MLP_FILE, ["--filter", "("], 2, ["--filter"]),
+        (MLP_FILE, ["-i", "float32[3,4]", "--inputs", "x.pt"], 2, ["use either --input specs or --inputs FILE"]),
         (MLP_FILE, ["--device", "nonsense"], 2, ["invalid device"]),
         (MLP_FILE, ["--device", "meta"], 2, ["'meta' holds no values"]),
         (

@@ -269,3 +269,11 @@ def test_targets_from_pyproject(runner, project, monkeypatch):
     result = invoke(runner, "check", sample("mlp"))
     assert result.exit_code == 0, result.output
     assert "forgotten_layer" not in result.stdout
+
+
+def test_both_input_keys_in_config_is_a_usage_error_before_the_model_is_built(runner, project):
+    write_config(project, "input = 'float32[2,16]'\ninputs = 'x.pt'\n")
+    result = invoke(runner, "run", sample("mlp"))
+    assert result.exit_code == 2 and "[tool.gradtrace] sets both input and inputs" in result.stderr, result.stderr
+    # either on the command line replaces both keys
+    assert invoke(runner, "run", sample("mlp"), "-i", "float32[2,16]").exit_code == 0

@@ -450,6 +450,12 @@ def _options(ctx: typer.Context) -> _Options:
         if path is not None and path != "-":
             _check_writable(path)
     inputs = params["inputs"]
+    if params["input"] and inputs is not None:  # either on the command line replaces both config keys
+        from_config = not {"input", "inputs"} & _given(ctx)
+        raise UsageError(
+            "[tool.gradtrace] sets both input and inputs" if from_config else "use either --input specs or --inputs FILE, not both",
+            hint="keep one of the two keys in pyproject.toml" if from_config else None,
+        )
     return _Options(
         command=command,
         targets=targets,
@@ -532,9 +538,7 @@ def _with_config(ctx: typer.Context, config: Any) -> dict[str, Any]:
     by_key = {opt[2:]: param.name for param in ctx.command.params for opt in param.opts if opt.startswith("--")}
     if "targets" in params:
         by_key["targets"] = "targets"
-    # by name: Typer may run on its own copy of click, whose ParameterSource is another enum
-    defaulted = {None, "DEFAULT", "DEFAULT_MAP"}
-    given = {name for name in params if getattr(ctx.get_parameter_source(name), "name", None) not in defaulted}
+    given = _given(ctx)
     if given & {"input", "inputs"}:
         given |= {"input", "inputs"}
     for key, value in config.values.items():
@@ -542,6 +546,13 @@ def _with_config(ctx: typer.Context, config: Any) -> dict[str, Any]:
         if name is not None and name not in given:
             params[name] = value
     return params
+
+
+def _given(ctx: typer.Context) -> set[str]:
+    """The names of the parameters given on the command line (not left at their defaults)."""
+    # by name: Typer may run on its own copy of click, whose ParameterSource is another enum
+    defaulted = {None, "DEFAULT", "DEFAULT_MAP"}
+    return {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", None) not in defaulted}
 
 
 def _plain(value: Any) -> Any:
