@@ -333,6 +333,19 @@ def test_eval_flag_and_mode_restored(runner, tmp_path):
         (MLP_FILE, ["-i", "float32[8,x]"], 2, ["'float32[8,x]'", "DTYPE"]),
         (MLP_FILE, ["-i", "float32[3,5]"], 3, ["forward in module '0' (Linear)", "RuntimeError", "float32[3, 5]"]),
         (MLP_FILE, ["--filter", "("], 2, ["--filter"]),
+        (
+            "import torch\nimport torch.nn as nn\ndef build_model(width):\n    return nn.Linear(width, width)\n"
+            "def example_inputs():\n    return torch.randn(2, 4)\n",
+            [],
+            3,
+            ["model_file.py:build_model takes arguments (width)", "give its parameters defaults"],
+        ),
+        (
+            "import torch\ndef model(x=None):\n    return x\ndef example_inputs():\n    return torch.randn(2, 4)\n",
+            [],
+            3,
+            ["model() returned a NoneType, not a model", "called as a factory because all its parameters have defaults"],
+        ),
         (MLP_FILE, ["-i", "float32[3,4]", "--inputs", "x.pt"], 2, ["use either --input specs or --inputs FILE"]),
         (MLP_FILE, ["--device", "nonsense"], 2, ["invalid device"]),
         (MLP_FILE, ["--device", "meta"], 2, ["'meta' holds no values"]),

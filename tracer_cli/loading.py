@@ -213,6 +213,12 @@ def resolve_model(value: Any, label: str) -> Any:
             hint="point the target at an nn.Module, a callable, or a factory that returns one",
         )
     if not _is_factory(value):
+        if label.endswith(":build_model"):  # the contract's factory, with parameters it cannot be given
+            required = _required_parameters(value) or []
+            raise ModelError(
+                f"{label} takes arguments ({', '.join(required)}); build_model() is called without any",
+                hint="give its parameters defaults, or name a model function that takes the inputs with TARGET:NAME",
+            )
         return value  # a callable model such as def model(x, y)
     try:
         built = value()
@@ -226,10 +232,13 @@ def resolve_model(value: Any, label: str) -> Any:
         )
         raise UserCodeError(f"{label}()", exc, hint=hint) from exc
     if not callable(built):
-        raise ModelError(
-            f"{label}() returned a {type(built).__name__}, not a model",
-            hint="a factory must return an nn.Module or a callable",
-        )
+        hint = "a factory must return an nn.Module or a callable"
+        if inspect.isfunction(value):  # perhaps the forward itself, taken for a factory
+            hint += (
+                f"; {value.__name__} was called as a factory because all its parameters have defaults: "
+                "a function that computes the output from the inputs needs a required parameter"
+            )
+        raise ModelError(f"{label}() returned a {type(built).__name__}, not a model", hint=hint)
     return built
 
 
