@@ -636,9 +636,11 @@ class _Stats:
         """The norm of each row, in float64, of elements scaled by the row's largest: exact where a float32
         sum of squares underflows."""
         torch = self._torch
+        largest = self._vector_norm(rows, ord=math.inf, dim=-1, keepdim=True)  # exact in any dtype
+        if not largest.any():  # all zeros (a dead branch): no scaled copy to make
+            return largest.to(self._float64).reshape(rows.shape[:-1])
         if rows.dtype not in self._wide:  # bf16 and fp16 scaled in float32, not rounded again
-            rows = rows.to(self._float32)
-        largest = self._vector_norm(rows, ord=math.inf, dim=-1, keepdim=True)
+            rows, largest = rows.to(self._float32), largest.to(self._float32)
         scaled = rows / torch.where(largest > 0, largest, torch.ones_like(largest))
         norms = largest.to(self._float64) * self._vector_norm(scaled, dim=-1, keepdim=True).to(self._float64)
         return norms.reshape(rows.shape[:-1])
