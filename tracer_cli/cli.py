@@ -562,14 +562,14 @@ def _plain(value: Any) -> Any:
 def _forwarded_args(ctx: typer.Context, drop: set[str]) -> list[str]:
     """The command line that reproduces this invocation's parameters (for the launched workers)."""
     args: list[str] = []
+    given = _given(ctx)
     for param in ctx.command.params:
         if param.name in drop or param.param_type_name != "option":
             continue
         value = ctx.params.get(param.name)
         # given on the command line, it is forwarded even at its default: it overrides [tool.gradtrace],
         # which the workers read again (--seed 0 over seed = 7, --no-eval over eval = true)
-        given = getattr(ctx.get_parameter_source(param.name), "name", None) == "COMMANDLINE"
-        if value is None or value == () or (value == param.default and not given):
+        if value is None or value == () or (value == param.default and param.name not in given):
             continue
         flag = param.opts[-1] if param.opts[-1].startswith("--") else param.opts[0]
         if param.is_flag:

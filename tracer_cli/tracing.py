@@ -660,6 +660,10 @@ class _Stats:
         """The CPU: reading a value there costs no synchronisation with a device."""
         return device.type == "cpu"
 
+    def _scaled_norm(self, tensor: Any) -> Any:
+        """:meth:`_scaled_norms` of one tensor's elements: a 0-d float64 norm."""
+        return self._scaled_norms(self._elements(tensor).reshape(1, -1))[0]
+
     def _scaled_norms(self, rows: Any) -> Any:
         """The norm of each row, in float64, of elements scaled by the row's largest: exact where a float32
         sum of squares underflows."""
@@ -694,7 +698,7 @@ class _Stats:
         # _underflowed(), inlined: this runs for every large gradient
         if readable and type(tensor) is self._plain and norm.item() < (TINY_SQUARE if squared else TINY_NORM):
             if tensor.numel():
-                return self.value(self._scaled_norms(self._elements(tensor).reshape(1, -1))[0])
+                return self.value(self._scaled_norm(tensor))
         if squared:
             self._squared.append(first + used)
         return first + used
@@ -806,9 +810,7 @@ class _Stats:
         torch = self._torch
         parts = [self._norm_tensor(tensor) for tensor in tensors]
         parts = [
-            (self._scaled_norms(self._elements(t).reshape(1, -1))[0], False)
-            if norm is not None and self._underflowed(t, norm, squared)
-            else (norm, squared)
+            (self._scaled_norm(t), False) if norm is not None and self._underflowed(t, norm, squared) else (norm, squared)
             for t, (norm, squared) in zip(tensors, parts)
         ]
         slot = self._new_slot(tensors[0])

@@ -55,8 +55,8 @@ def render_comparison(comparison: dict[str, Any]) -> RenderableType:
         parts.append(text)
         parts.append(Text(_KIND_HELP[first["kind"]], style="dim"))
     if unsynchronized:  # not averaged across ranks (no DDP), or what the origin above led to
-        names = unsynchronized
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        more = len(unsynchronized) - 8
+        shown = ", ".join(unsynchronized[:8]) + (f" and {more} more" if more > 0 else "")
         parts.append(Text(f"parameter gradients that differ across ranks after backward: {shown}", style="yellow"))
     if comparison.get("note"):
         parts.append(Text(comparison["note"], style="yellow"))

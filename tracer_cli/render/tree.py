@@ -357,7 +357,9 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
                 visited.update(below)
                 budget.hidden += len(below)
                 if not budget.spent:
-                    parent.add(Text(f"… {len(below)} {_plural(len(below), 'node')} below (raise --depth to see {'it' if len(below) == 1 else 'them'})", style="dim"))
+                    them = "it" if len(below) == 1 else "them"
+                    text = f"… {len(below)} {_plural(len(below), 'node')} below (raise --depth to see {them})"
+                    parent.add(Text(text, style="dim"))
                 continue
             show(node_id)
             branch = parent
