@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import textwrap
@@ -15,6 +16,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from tracer_cli import trace
+from tracer_cli.checks import nonfinite_findings
 from tracer_cli.cli import app
 from tracer_cli.render.export import export_dot, export_svg
 from tracer_cli.render.tree import render_trace
@@ -67,6 +69,74 @@ def test_masked_infinity_is_found_although_later_nodes_are_finite():
 
 def test_healthy_model_has_no_origin():
     assert sample_trace("mlp").summary()["first_nonfinite"] is None
+    assert sample_trace("mlp", forward_stats=True).summary()["first_nonfinite_forward"] is None
+
+
+# Where forward made the NaN (the loss is NaN) -----------------------------------------------------
+
+
+def test_forward_nan_origin_is_the_op_that_made_it():
+    module = load_sample("nan_forward")
+    torch.manual_seed(0)
+    model = module.build_model()
+    torch.manual_seed(0)
+    x = module.example_inputs()
+    with torch.no_grad():  # independently: what the log is taken of is finite, and negative in places
+        scaled = model.features.scale(torch.relu(model.embed(x)))
+    assert torch.isfinite(scaled).all() and (scaled < 0).any()
+
+    result = sample_trace("nan_forward", forward_stats=True)
+    assert math.isnan(result.meta.loss)
+    made = result.forward_nonfinite_origin()
+    assert (made.name, made.module) == ("LogBackward0", "features")
+    assert made.source == f"sample_models/nan_forward.py:{code_line('nan_forward', 'torch.log(')}"
+    assert result.summary()["first_nonfinite_forward"] == {
+        "id": made.id, "name": "LogBackward0", "module": "features", "param": None, "kind": "nan", "source": made.source,
+    }
+    # every op before it made a finite value
+    assert all(n.forward.finite for n in result.nodes if n.forward is not None and n.created is not None and n.created < made.created)
+    (finding,) = [f for f in nonfinite_findings(result) if f.detail.startswith("the loss is nan")]
+    assert finding.node == made.id and f"#{made.id} LogBackward0 in features" in finding.detail
+    # without forward values it cannot be known, and the finding says how to find it
+    plain = sample_trace("nan_forward")
+    assert plain.forward_nonfinite_origin() is None and plain.summary()["first_nonfinite_forward"] is None
+    (finding,) = [f for f in nonfinite_findings(plain) if f.detail.startswith("the loss is nan")]
+    assert "forward_stats=True" in finding.detail
+
+
+def test_forward_nan_in_a_parameter_is_named_by_the_parameter():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[2].weight[0, 1] = float("nan")
+    result = trace(model, (torch.randn(2, 4),), forward_stats=True)
+    assert math.isnan(result.meta.loss)
+    assert result.forward_nonfinite_origin().param == "2.weight"
+
+
+def test_run_traces_a_nan_loss_again_to_name_where_forward_made_it():
+    result = invoke("run", str(SAMPLES_DIR / "nan_forward.py"))
+    assert result.exit_code == 0
+    line = code_line("nan_forward", "torch.log(")
+    assert "tracing the step again with forward values" in result.stderr
+    assert re.search(rf"the loss is nan: forward made it first at #\d+ LogBackward0 in features \(nan\), created at \S*nan_forward.py:{line}", result.stdout)
+    assert f"← forward made the nan here (sample_models/nan_forward.py:{line})" in result.stdout
+    assert "starts here" not in result.stdout  # backward only carries it on from the loss
+    checked = invoke("check", str(SAMPLES_DIR / "nan_forward.py"))
+    assert checked.exit_code == 1 and "forward made a nan first at #" in checked.stdout
+    # a finite loss is traced once
+    assert "tracing the step again" not in invoke("run", str(SAMPLES_DIR / "nan_where.py")).stderr
+
+
+def test_extremes_leave_out_the_seed_of_backward():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    result = trace(model, (torch.randn(3, 4),), loss_fn=lambda out: out.sum() * 100.0)
+    summary = result.summary()
+    # the seed (1 at the loss node) is the smallest gradient, but not one the model computed: the smallest is
+    # what the loss's product sends on, 100
+    assert summary["smallest_nonzero_grad"]["norm"] == pytest.approx(100.0)
+    assert summary["largest_grad"]["norm"] > 100.0
 
 
 def test_terminal_names_the_origin_and_its_line():

@@ -172,3 +172,45 @@ def test_json_round_trip(name):
 def test_unknown_schema_is_refused():
     with pytest.raises(ValueError, match="gradtrace/1"):
         Trace.from_dict({"schema": "gradtrace/99", "meta": {}, "nodes": []})
+
+
+def test_graph_view_refers_to_a_folded_node_as_not_shown():
+    """A node behind a "… N nodes below" line, reached again from a node that is shown, is not "shown
+    above": the reference says it is among the nodes left out."""
+    import re
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4))
+            self.v = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            folded = (x * self.w).sin() + (x * self.v).cos()  # two levels down: folded by --depth 1
+            return (folded + x * self.w).sum()  # w again, one level down
+
+    torch.manual_seed(0)
+    result = trace(Shared(), torch.randn(4))
+    text = render_text(result, TreeOptions(view="graph", max_nodes=None, depth=1))
+    drawn = {int(n) for n in re.findall(r"[├└]── #(\d+) ", text)}
+    referred = {int(n): where for n, where in re.findall(r"↑ #(\d+) \S+ \(([^)]*)\)", text)}
+    leaf_w = next(n.id for n in result.nodes if n.param == "w")
+    assert leaf_w not in drawn and referred[leaf_w] == "among the nodes not shown above", text
+    assert all(where == "shown above" for n, where in referred.items() if n in drawn)
+
+
+@pytest.mark.parametrize("options", [TreeOptions(max_nodes=3), TreeOptions(view="graph", max_nodes=None, depth=0)])
+def test_lines_for_nodes_not_shown_say_where_the_nan_starts(options):
+    """Where the origin of a NaN is behind a line for nodes not shown (--max-nodes, --depth), that line says
+    so and counts the non-finite nodes it stands for."""
+    import re
+
+    result = sample_trace("nan_where")
+    origin = result.nonfinite_origin()
+    text = render_text(result, options)
+    assert not re.search(rf"[├└]── #{origin.id} ", text)  # not drawn
+    (line,) = [line for line in text.splitlines() if f"where it starts (#{origin.id} SqrtBackward0)" in line]
+    assert re.search(r", (\d+) non-finite", line)
+    counted = sum(int(n) for n in re.findall(r", (\d+) non-finite", text))
+    drawn_bad = len(re.findall(r"[├└]── #\d+ .*← nan", text))
+    assert counted + drawn_bad == len(result.nonfinite_nodes())

@@ -227,11 +227,16 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
     findings = []
     if trace.meta.loss is not None and not math.isfinite(trace.meta.loss):
         kind = "nan" if math.isnan(trace.meta.loss) else "inf"
-        root = trace.nodes[0] if trace.nodes else None
+        made = trace.forward_nonfinite_origin()
+        root = made or (trace.nodes[0] if trace.nodes else None)
+        if made is not None:
+            message = f"the loss is {kind}: forward made a {made.forward.nonfinite_kind} first at #{made.id} {made.label()}"
+        else:
+            message = f"the loss is {kind}: the forward pass already produced it (forward_stats=True finds where)"
         findings.append(
             Finding(
                 "nonfinite",
-                f"the loss is {kind}: the forward pass already produced it",
+                message,
                 node=root.id if root else None,
                 name=root.name if root else None,
                 module=root.module if root else None,

@@ -6,6 +6,8 @@ torch is imported inside command bodies only, so ``gradtrace --help`` stays inst
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import sys
 import traceback
 import warnings
@@ -601,7 +603,8 @@ def _trace(options: _Options, target: str, *, seed: int, device: str, rank: int 
         prepared = prepare_run(
             target, input_specs=options.input_specs, inputs_file=options.inputs_file, seed=seed, device=device
         )
-        return trace(
+        step = functools.partial(
+            trace,
             prepared.loaded.model,
             prepared.args,
             prepared.kwargs,
@@ -611,8 +614,6 @@ def _trace(options: _Options, target: str, *, seed: int, device: str, rank: int 
             train=False if options.eval_mode else None,
             target=target,
             seed=seed,
-            # forward values let ranks, or two JSON files (gradtrace diff), be compared
-            forward_stats=world_size > 1 or options.json_path is not None,
             rank=rank,
             world_size=world_size,
             replay=options.replay,
@@ -620,6 +621,25 @@ def _trace(options: _Options, target: str, *, seed: int, device: str, rank: int 
             sources=options.sources,
             stacks=options.stack,
         )
+        # forward values let ranks, or two JSON files (gradtrace diff), be compared
+        forward_stats = world_size > 1 or options.json_path is not None
+        if forward_stats:
+            return step(forward_stats=True)
+        import torch
+
+        with torch.random.fork_rng(devices=[torch.device(device).index or 0] if device.startswith("cuda") else []):
+            result = step(forward_stats=False)
+        loss = result.meta.loss
+        if loss is None or math.isfinite(loss):
+            return result
+        # a non-finite loss: forward made it, and only forward values tell where. The same step again, from the
+        # same random state (dropout draws the same masks), its buffers and .grad put back by trace()
+        _stderr_console().print(
+            f"the loss is {loss}: tracing the step again with forward values, to find where forward made it",
+            style="dim",
+            markup=False,
+        )
+        return step(forward_stats=True)
 
 
 @contextlib.contextmanager

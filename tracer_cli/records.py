@@ -480,6 +480,22 @@ class Trace:
         nonfinite = self.nonfinite_nodes()
         return next(filter(_made_nonfinite, nonfinite), nonfinite[0] if nonfinite else None)
 
+    def computed_stats(self) -> Iterator[tuple[Node, GradStat]]:
+        """Every known gradient statistic of the nodes that ran, with its node, but the seed that backward
+        starts from (the loss node's grad_out, 1 for ``loss.backward()``): it says nothing of the model."""
+        for node in self.executed():
+            for side, _, stat in node.stats():
+                if stat.norm is not None and not (node.id == 0 and side == "out"):
+                    yield node, stat
+
+    def forward_nonfinite_origin(self) -> Node | None:
+        """Where forward first made a NaN or infinity: a parameter or input that holds one, else the
+        earliest-created node whose op's output does. Known only where forward values were recorded
+        (``forward_stats=True``; ``gradtrace run`` records them when the loss is not finite)."""
+        made = [n for n in self.nodes if n.forward is not None and n.forward.finite is False and n.created_in is None]
+        leaves = [n for n in made if n.created is None]
+        return leaves[0] if leaves else min(made, key=lambda n: n.created, default=None)
+
     @staticmethod
     def origin_kind(node: Node) -> str | None:
         """``"nan"`` or ``"inf"``: what the node sent on (or, failing that, what it holds)."""
@@ -492,15 +508,11 @@ class Trace:
         """The JSON ``summary`` block, derived from the nodes."""
         executed = self.executed()
         origin = self.nonfinite_origin()
+        made = self.forward_nonfinite_origin()
         nonfinite = self.nonfinite_nodes()
         if origin is not None:  # the origin first, then the others in execution order
             nonfinite = [origin] + [n for n in nonfinite if n is not origin]
-        norms = [
-            (stat.norm, node)
-            for node in executed
-            for _, _, stat in node.stats()
-            if stat.norm is not None and math.isfinite(stat.norm)
-        ]
+        norms = [(stat.norm, node) for node, stat in self.computed_stats() if math.isfinite(stat.norm)]
         grad_norms = self.parameter_grad_norms().values()
         total = math.sqrt(sum(v * v for v in grad_norms)) if grad_norms else None
 
@@ -515,6 +527,9 @@ class Trace:
             "executed": len(executed),
             "nonfinite_nodes": len(nonfinite),
             "first_nonfinite": brief(origin, kind=self.origin_kind(origin), source=origin.source) if origin else None,
+            "first_nonfinite_forward": (
+                brief(made, kind=made.forward.nonfinite_kind, source=made.source) if made is not None else None
+            ),
             "nonfinite": [brief(n, kind=n.nonfinite_kind, source=n.source) for n in nonfinite],
             "param_grad_norm_total": encode_float(total),
             "largest_grad": brief(largest[1], norm=largest[0]) if largest else None,

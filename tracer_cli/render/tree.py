@@ -78,15 +78,12 @@ class _Styler:
         self.show_stack = False
         origin = trace.nonfinite_origin()
         self.origin = None if origin is None else origin.id
-        norms = sorted(
-            {
-                stat.norm
-                for node in trace.nodes
-                for _, _, stat in node.stats()
-                if stat.norm is not None and math.isfinite(stat.norm) and stat.norm > 0
-            },
-            reverse=True,
-        )
+        loss = trace.meta.loss
+        made = trace.forward_nonfinite_origin() if loss is not None and not math.isfinite(loss) else None
+        self.forward_origin = None if made is None else made.id
+        if made is not None:  # what backward carries on from a non-finite loss starts at the loss, not there
+            self.origin = None
+        norms = sorted({stat.norm for _, stat in trace.computed_stats() if math.isfinite(stat.norm) and stat.norm > 0}, reverse=True)
         self.large = norms[min(top, len(norms)) - 1] if len(norms) > top else math.inf
 
     def style(self, stat: GradStat) -> str:
@@ -183,6 +180,9 @@ def _node_text(node: Node, styler: _Styler, *, show_module: bool) -> Text:
         text.append(f"  ← {kind}", style=_NONFINITE)
         if styler.origin == node.id:  # also where no source line is known (custom Functions, --no-sources)
             text.append(" starts here" + (f" ({node.source})" if node.source else ""), style=_NONFINITE)
+    if styler.forward_origin == node.id and node.forward is not None:
+        made = f"  ← forward made the {node.forward.nonfinite_kind} here" + (f" ({node.source})" if node.source else "")
+        text.append(made, style=_NONFINITE)
     return text
 
 
@@ -250,14 +250,15 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
             children[parent_of(path)].append(path)
 
     def add_nodes(branch: Tree, nodes: list[Node]) -> None:
-        hidden = 0
+        hidden = []
         for node in nodes:
             if budget.take():
                 branch.add(node_line(node, styler, show_module=False))
             else:
-                hidden += 1
+                hidden.append(node)
         if hidden:
-            branch.add(Text(f"… {hidden} more {_plural(hidden, 'node')} not shown", style="dim"))
+            text = Text(f"… {len(hidden)} more {_plural(len(hidden), 'node')} not shown", style="dim")
+            branch.add(text.append_text(_hidden_marks(hidden, styler)))
 
     root = Tree(Text(trace.meta.target, style="bold"), guide_style="dim")
     if by_module.get(None):
@@ -275,16 +276,16 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
         if kind:
             label.append(f" ({kind})", style="blue")
         if budget.spent:  # one line for the whole module
-            hidden = len(count(path))
-            budget.hidden += hidden
-            label.append(f"  {hidden} {_plural(hidden, 'node')} not shown", style="dim")
-            parent.add(label)
+            hidden = count(path)
+            budget.hidden += len(hidden)
+            label.append(f"  {len(hidden)} {_plural(len(hidden), 'node')} not shown", style="dim")
+            parent.add(label.append_text(_hidden_marks(hidden, styler)))
             return
         branch = parent.add(label)
         if options.depth is not None and _module_depth(path) >= options.depth and children.get(path):
             own = by_module.get(path, [])
             add_nodes(branch, own)
-            _summarise(branch, count(path)[len(own):])
+            _summarise(branch, count(path)[len(own):], styler)
             return
         add_nodes(branch, by_module.get(path, []))
         for child in children.get(path, ()):
@@ -300,18 +301,32 @@ def _plural(count: int, word: str) -> str:
     return word if count == 1 else word + "s"
 
 
-def _summarise(branch: Tree, nodes: list[Node]) -> None:
+def _summarise(branch: Tree, nodes: list[Node], styler: _Styler) -> None:
     if not nodes:
         return
     norms = [n.grad_norm for n in nodes if n.grad_norm is not None and math.isfinite(n.grad_norm)]
-    bad = sum(1 for n in nodes if n.nonfinite_kind)
     text = Text(f"… {len(nodes)} {_plural(len(nodes), 'node')} in submodules", style="dim")
     if norms:
         text.append(f", largest grad_out ‖{format_norm(max(norms))}‖", style="dim")
-    if bad:
-        text.append(f", {bad} non-finite", style=_NONFINITE)
+    text.append_text(_hidden_marks(nodes, styler))
     text.append(" (raise --depth to see them)", style="dim")
     branch.add(text)
+
+
+def _hidden_marks(nodes: Iterable[Node], styler: _Styler) -> Text:
+    """What a line standing for nodes not shown says of them: how many are non-finite, and whether the
+    NaN or infinity starts among them."""
+    text = Text()
+    nodes = list(nodes)
+    bad = sum(1 for n in nodes if n.nonfinite_kind)
+    if bad:
+        text.append(f", {bad} non-finite", style=_NONFINITE)
+    for node in nodes:
+        if node.id == styler.origin:
+            text.append(f", where it starts (#{node.id} {short_name(node.name)})", style=_NONFINITE)
+        if node.id == styler.forward_origin:
+            text.append(f", where forward made it (#{node.id} {short_name(node.name)})", style=_NONFINITE)
+    return text
 
 
 def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Budget) -> Tree:
@@ -337,9 +352,12 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
         visited.add(node_id)
         shown_parents.update(set(c for c in nodes[node_id].next if c is not None))
 
+    folded: set[int] = set()  # nodes behind a "… N nodes below" line (--depth)
+
     def reference(node_id: int, where: str) -> Text:
         arrow = "↑" if where == "above" else "↓"
-        return Text(f"{arrow} #{node_id} {short_name(nodes[node_id].name)} (shown {where})", style="dim")
+        shown = "among the nodes not shown above" if node_id in folded else f"shown {where}"
+        return Text(f"{arrow} #{node_id} {short_name(nodes[node_id].name)} ({shown})", style="dim")
 
     def walk(container: Tree, start: int, level: int) -> None:
         # (parent, node, depth, continues): a node that continues parent's chain is added to it as one more
@@ -355,11 +373,13 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
             if not continues and options.depth is not None and depth > options.depth:
                 below = _reachable_unvisited(nodes, node_id, visited, waiting)  # a waiting node is shown later
                 visited.update(below)
+                folded.update(below)
                 budget.hidden += len(below)
                 if not budget.spent:
                     them = "it" if len(below) == 1 else "them"
-                    text = f"… {len(below)} {_plural(len(below), 'node')} below (raise --depth to see {them})"
-                    parent.add(Text(text, style="dim"))
+                    text = Text(f"… {len(below)} {_plural(len(below), 'node')} below", style="dim")
+                    text.append_text(_hidden_marks(map(nodes.__getitem__, sorted(below)), styler))
+                    parent.add(text.append(f" (raise --depth to see {them})", style="dim"))
                 continue
             show(node_id)
             branch = parent
@@ -457,7 +477,14 @@ def render_summary(trace: Trace) -> Table:
     table.add_row("loss", loss)
     nonfinite = trace.nonfinite_nodes()
     origin = trace.nonfinite_origin()
-    if origin is not None:
+    made = trace.forward_nonfinite_origin() if meta.loss is not None and not math.isfinite(meta.loss) else None
+    if made is not None:  # backward only carries it on from the loss: say where forward made it
+        text = Text(f"{len(nonfinite)} nodes; the loss is {format_norm(meta.loss)}: forward made it first at ", style=_NONFINITE)
+        text.append(f"#{made.id} {short_name(made.name)} {_where(made)} ({made.forward.nonfinite_kind})", style=_NONFINITE)
+        if made.source:
+            text.append(f", created at {made.source}", style=_NONFINITE)
+        table.add_row("non-finite", text)
+    elif origin is not None:
         text = Text(f"{len(nonfinite)} nodes; it starts at ", style=_NONFINITE)
         text.append(f"#{origin.id} {short_name(origin.name)} {_where(origin)} ({trace.origin_kind(origin)})", style=_NONFINITE)
         if origin.source:
