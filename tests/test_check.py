@@ -296,6 +296,8 @@ def test_run_takes_thresholds_too(runner):
         (["--warn-on", "nan"], "unknown --warn-on check 'nan'"),
         (["--min-grad-norm", "2", "--max-grad-norm", "1"], "above --max-grad-norm"),
         (["--filter", "("], "--filter"),
+        (["--fail-on", "norm"], "--fail-on norm needs a threshold"),
+        (["--warn-on", "nograd,norm"], "--warn-on norm needs a threshold"),
     ],
 )
 def test_usage_errors_exit_2(runner, args, fragment):

@@ -685,3 +685,20 @@ def test_torchs_numpy_warning_does_not_open_the_output():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "NumPy" not in result.stderr and "AddmmBackward0" in result.stdout
+
+
+def test_a_bad_input_spec_is_reported_before_the_model_file_runs(runner, tmp_path):
+    marker = tmp_path / "imported"
+    model = write_model(
+        tmp_path,
+        f"""
+        import pathlib
+        import torch
+        pathlib.Path({str(marker)!r}).write_text("imported")
+        model = torch.nn.Linear(3, 1)
+        """,
+    )
+    result = invoke(runner, "run", str(model), "-i", "float33[2,3]")
+    assert result.exit_code == 2 and "unknown dtype 'float33'" in result.stderr
+    assert not marker.exists()
+    assert invoke(runner, "run", str(model), "-i", "float32[2,3]").exit_code == 0 and marker.exists()

@@ -434,6 +434,12 @@ def _options(ctx: typer.Context) -> _Options:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     thresholds = Thresholds(params["max_grad_norm"], params["min_grad_norm"])
+    for option, checks in (("--fail-on", fail_on), ("--warn-on", warn_on)):
+        if "norm" in checks and not thresholds.active:  # the check would find nothing, silently
+            raise UsageError(
+                f"{option} norm needs a threshold to check against",
+                hint="add --max-grad-norm X and/or --min-grad-norm Y (max-grad-norm = X in [tool.gradtrace])",
+            )
     if None not in (thresholds.max_grad_norm, thresholds.min_grad_norm) and (
         thresholds.min_grad_norm > thresholds.max_grad_norm  # type: ignore[operator]
     ):

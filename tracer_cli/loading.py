@@ -373,15 +373,17 @@ def prepare_run(
     """
     import torch
 
-    from .inputs import build_inputs, load_inputs_file
+    from .inputs import build_inputs, load_inputs_file, parse_spec
 
     torch_device = parse_device(device)
+    if input_specs and inputs_file:
+        raise UsageError("use either --input specs or --inputs FILE, not both")
+    for spec in input_specs or ():  # a typo is reported before the model file is imported and built
+        parse_spec(spec)
     torch.manual_seed(seed)
     loaded = load_target(target)
     move_model(loaded.model, torch_device)
     torch.manual_seed(seed)
-    if input_specs and inputs_file:
-        raise UsageError("use either --input specs or --inputs FILE, not both")
     if input_specs:
         args, kwargs = build_inputs(input_specs, device=torch_device)
     elif inputs_file:
