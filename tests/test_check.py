@@ -298,6 +298,10 @@ def test_run_takes_thresholds_too(runner):
         (["--filter", "("], "--filter"),
         (["--fail-on", "norm"], "--fail-on norm needs a threshold"),
         (["--warn-on", "nograd,norm"], "--warn-on norm needs a threshold"),
+        (["--fail-on", "gradcheck"], "--fail-on gradcheck needs --gradcheck"),
+        (["--seed", str(2**64)], "out of range"),
+        (["--seed", "-1"], "out of range"),
+        (["--warn-on", "replay"], "--warn-on replay needs --replay"),
     ],
 )
 def test_usage_errors_exit_2(runner, args, fragment):

@@ -702,3 +702,68 @@ def test_a_bad_input_spec_is_reported_before_the_model_file_runs(runner, tmp_pat
     assert result.exit_code == 2 and "unknown dtype 'float33'" in result.stderr
     assert not marker.exists()
     assert invoke(runner, "run", str(model), "-i", "float32[2,3]").exit_code == 0 and marker.exists()
+
+
+def test_a_model_file_that_changes_folder_or_torch_modes_does_not_move_the_rest(runner, tmp_path, monkeypatch):
+    """``os.chdir`` to the file's own folder (a common idiom) and torch's global modes set at import are put
+    back after each target: later targets, --json and --junit-xml are found where they were given."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    first = write_model(
+        tmp_path / "models",
+        f"""
+        import os
+        import torch
+        os.chdir({str(tmp_path / "elsewhere")!r})
+        torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(True)
+        model = torch.nn.Linear(3, 1)
+        def example_inputs():
+            return torch.randn(2, 3)
+        """,
+        name="first.py",
+    )
+    write_model(
+        tmp_path / "models",
+        """
+        import torch
+        model = torch.nn.Linear(3, 1)
+        def example_inputs():
+            return torch.randn(2, 3, dtype=torch.float32)  # float64 weights would refuse it
+        """,
+        name="second.py",
+    )
+    monkeypatch.chdir(tmp_path)
+    dtype, deterministic = torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled()
+    result = invoke(runner, "check", "models/first.py", "models/second.py", "--junit-xml", "gate.xml")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "gate.xml").exists() and not (tmp_path / "elsewhere" / "gate.xml").exists()
+    assert invoke(runner, "run", str(first), "--json", "out.json").exit_code == 0
+    assert (tmp_path / "out.json").exists()
+    assert torch.get_default_dtype() == dtype and torch.are_deterministic_algorithms_enabled() == deterministic
+    assert os.getcwd() == str(tmp_path)
+
+
+def test_a_model_on_the_meta_device_is_a_model_error(runner, tmp_path):
+    model = write_model(
+        tmp_path,
+        """
+        import torch
+        model = torch.nn.Linear(3, 1, device="meta")
+        def example_inputs():
+            return torch.randn(2, 3)
+        """,
+    )
+    result = invoke(runner, "run", str(model))
+    assert result.exit_code == 3 and "meta device" in result.stderr and "Traceback" not in result.output
+
+
+def test_json_to_stdout_still_writes_exports_and_says_why_it_fails(runner, tmp_path):
+    dot, svg = tmp_path / "graph.dot", tmp_path / "tree.svg"
+    args = ["run", str(SAMPLES / "nan_where.py"), "--json", "-", "--fail-on", "nonfinite", "--dot", str(dot), "--svg", str(svg)]
+    result = invoke(runner, *args)
+    assert result.exit_code == 1
+    document = strict_json(result.stdout)  # stdout holds the JSON alone
+    assert document["summary"]["first_nonfinite"]["name"] == "SqrtBackward0"
+    assert "FAIL nonfinite" in result.stderr and "SqrtBackward0" in result.stderr
+    assert dot.read_text().startswith("digraph") and "SqrtBackward0" in svg.read_text()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import math
 import sys
 import traceback
@@ -434,18 +435,23 @@ def _options(ctx: typer.Context) -> _Options:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     thresholds = Thresholds(params["max_grad_norm"], params["min_grad_norm"])
-    for option, checks in (("--fail-on", fail_on), ("--warn-on", warn_on)):
-        if "norm" in checks and not thresholds.active:  # the check would find nothing, silently
+    for option, checks in (("--fail-on", fail_on), ("--warn-on", warn_on)):  # checks that would find nothing, silently
+        if "norm" in checks and not thresholds.active:
             raise UsageError(
                 f"{option} norm needs a threshold to check against",
                 hint="add --max-grad-norm X and/or --min-grad-norm Y (max-grad-norm = X in [tool.gradtrace])",
             )
+        for check in ("gradcheck", "replay"):
+            if check in checks and not params.get(check, False):
+                raise UsageError(f"{option} {check} needs --{check}: only then does the check run", hint=f"add --{check}")
     if None not in (thresholds.max_grad_norm, thresholds.min_grad_norm) and (
         thresholds.min_grad_norm > thresholds.max_grad_norm  # type: ignore[operator]
     ):
         raise UsageError(
             f"--min-grad-norm {thresholds.min_grad_norm:g} is above --max-grad-norm {thresholds.max_grad_norm:g}"
         )
+    if not 0 <= params["seed"] < 2**63:  # torch.manual_seed's range, with room for --rank-seed's seed + rank
+        raise UsageError(f"--seed {params['seed']} is out of range", hint=f"use a seed from 0 to {2**63 - 1}")
     targets = [params["target"]] if command == "run" else list(params["targets"] or [])
     if not targets:
         raise UsageError(
@@ -605,7 +611,7 @@ def _trace(options: _Options, target: str, *, seed: int, device: str, rank: int 
     from .loading import prepare_run
     from .tracing import trace
 
-    with _user_output_to_stderr(options.json_path == "-"):
+    with _user_output_to_stderr(options.json_path == "-"), _process_state_kept():
         prepared = prepare_run(
             target, input_specs=options.input_specs, inputs_file=options.inputs_file, seed=seed, device=device
         )
@@ -646,6 +652,33 @@ def _trace(options: _Options, target: str, *, seed: int, device: str, rank: int 
             markup=False,
         )
         return step(forward_stats=True)
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Put back what a model file may change for the whole process: the working folder (``os.chdir`` to its own
+    folder, a common idiom, moved where later targets and --json, --junit-xml and export paths were found)
+    and torch's global modes (a default dtype, deterministic algorithms or anomaly mode set by one target of
+    ``check`` would apply to the next)."""
+    import os
+
+    import torch
+
+    try:
+        folder: str | None = os.getcwd()
+    except OSError:  # the working folder was deleted: nowhere to go back to
+        folder = None
+    dtype = torch.get_default_dtype()
+    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    try:
+        yield
+    finally:
+        if folder is not None:
+            os.chdir(folder)
+        torch.set_default_dtype(dtype)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        torch.set_anomaly_enabled(*anomaly)
 
 
 @contextlib.contextmanager
@@ -692,20 +725,20 @@ def _run_single(options: _Options) -> int:
 
     result = _traced(options, options.targets[0])
     findings = [f for f in trace_findings(result, options.policy.thresholds) if options.policy.fails(f)]
+    to_stdout = options.json_path == "-"  # stdout carries the JSON alone: the tree is only exported, findings go to stderr
     if options.json_path is not None:
         from .render.json import dumps
 
         _write_json(options.json_path, dumps(result))
-        if options.json_path == "-":
-            return _verdict(findings)
 
     from .render.tree import render_trace
 
-    console = _log_console(record=bool(options.exports))
-    console.print(render_trace(result, options.tree))
-    _print_findings(console, findings, "")
+    console = _log_console(record=bool(options.exports), silent=to_stdout)
+    if not to_stdout or options.exports:
+        console.print(render_trace(result, options.tree))
+    _print_findings(_stderr_console() if to_stdout else console, findings, "")
     _save_exports(options, console, result)
-    if options.json_path is not None:
+    if options.json_path is not None and not to_stdout:
         _stderr_console().print(f"trace written to {options.json_path}", style="dim", markup=False)
     return _verdict(findings)
 
@@ -780,14 +813,17 @@ def _finish_check(options: _Options, reports: list[Any], console: Any, prefix: s
     return ExitCode.GRADIENT_PROBLEMS if any(r.failures for r in reports) else ExitCode.OK
 
 
-def _log_console(record: bool = False) -> Any:
+def _log_console(record: bool = False, silent: bool = False) -> Any:
     """stdout; when it is not a terminal (a CI log, a pipe, a file), wide enough that a node line or a
     table row is not folded (Rich's default there is 80 columns), so that each can be grepped whole.
-    Nothing printed fills the width: each line is as long as what it says."""
+    Nothing printed fills the width: each line is as long as what it says. ``silent``: nowhere (what
+    it prints is only recorded, for --svg and --html)."""
     import os
 
     from rich.console import Console
 
+    if silent:
+        return Console(highlight=False, record=record, file=_Discard(), width=_LOG_WIDTH)
     console = Console(highlight=False, record=record)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(highlight=False, record=record, width=_LOG_WIDTH)
@@ -795,6 +831,13 @@ def _log_console(record: bool = False) -> Any:
 
 
 _LOG_WIDTH = 10_000
+
+
+class _Discard(io.TextIOBase):
+    """A text file that keeps nothing."""
+
+    def write(self, text: str) -> int:
+        return len(text)
 
 
 def _run_ranks(options: _Options, info: Any) -> NoReturn:
@@ -888,16 +931,16 @@ def _compare_and_show(options: _Options, documents: list[dict[str, Any]]) -> int
     traces, comparison = _compared(options, documents)
     findings = merge_rank_findings([trace_findings(t, options.policy.thresholds) for t in traces])
     failed = [f for f in findings + comparison_findings(comparison) if options.policy.fails(f)]
+    to_stdout = options.json_path == "-"  # as in _run_single
     if options.json_path is not None:
         _write_json(options.json_path, dumps_merged(traces, comparison))
-        if options.json_path == "-":
-            return _verdict(failed)
-    console = _log_console(record=bool(options.exports))
-    for line in _rank_lines(options, console, traces, comparison):
-        console.print(line, soft_wrap=True)
-    _print_findings(console, failed, "[rank0] ")
+    console = _log_console(record=bool(options.exports), silent=to_stdout)
+    if not to_stdout or options.exports:
+        for line in _rank_lines(options, console, traces, comparison):
+            console.print(line, soft_wrap=True)
+    _print_findings(_stderr_console() if to_stdout else console, failed, "[rank0] ")
     _save_exports(options, console, traces[0])
-    if options.json_path is not None:
+    if options.json_path is not None and not to_stdout:
         _stderr_console().print(f"[rank0] merged trace of {len(traces)} ranks written to {options.json_path}", style="dim", markup=False)
     return _verdict(failed)
 

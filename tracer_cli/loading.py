@@ -380,9 +380,12 @@ def prepare_run(
         raise UsageError("use either --input specs or --inputs FILE, not both")
     for spec in input_specs or ():  # a typo is reported before the model file is imported and built
         parse_spec(spec)
+    if inputs_file:  # found where it was given, should the model file change the working folder
+        inputs_file = os.path.abspath(inputs_file)
     torch.manual_seed(seed)
     loaded = load_target(target)
-    move_model(loaded.model, torch_device)
+    with _no_data_is_a_model_error("the model"):
+        move_model(loaded.model, torch_device)
     torch.manual_seed(seed)
     if input_specs:
         args, kwargs = build_inputs(input_specs, device=torch_device)
@@ -395,8 +398,23 @@ def prepare_run(
                 f"no inputs for {target}",
                 hint="pass input specs, e.g. -i 'float32[8,16]', or define example_inputs() in the model file",
             )
-        args, kwargs = _to_device(found, torch_device)
+        with _no_data_is_a_model_error("example_inputs()"):
+            args, kwargs = _to_device(found, torch_device)
     return PreparedRun(loaded, args, kwargs)
+
+
+@contextlib.contextmanager
+def _no_data_is_a_model_error(what: str) -> Iterator[None]:
+    """Tensors on the meta device have no data to move (or to trace): say so, rather than torch's message."""
+    try:
+        yield
+    except NotImplementedError as exc:
+        if "meta tensor" not in str(exc):
+            raise
+        raise ModelError(
+            f"{what} holds tensors on the meta device, which have no data to trace",
+            hint="build it with real tensors (e.g. model.to_empty(device='cpu') and initialise the weights)",
+        ) from exc
 
 
 def _to_device(inputs: tuple[tuple, dict], device: Any) -> tuple[tuple, dict]:
