@@ -767,3 +767,29 @@ def test_json_to_stdout_still_writes_exports_and_says_why_it_fails(runner, tmp_p
     assert document["summary"]["first_nonfinite"]["name"] == "SqrtBackward0"
     assert "FAIL nonfinite" in result.stderr and "SqrtBackward0" in result.stderr
     assert dot.read_text().startswith("digraph") and "SqrtBackward0" in svg.read_text()
+
+
+@pytest.mark.parametrize("where", ["import", "forward"])
+def test_os_exit_in_the_model_is_a_model_error_not_a_silent_success(tmp_path, where):
+    """os._exit() would end gradtrace at once with the model's status, 0: a green CI job without a report."""
+    call = "os._exit(0)"
+    model = write_model(
+        tmp_path,
+        f"""
+        import os
+        import torch
+        {call if where == "import" else ""}
+        class Quits(torch.nn.Module):
+            def forward(self, x):
+                {call if where == "forward" else "return x.sum()"}
+        model = Quits()
+        def example_inputs():
+            return torch.randn(2, requires_grad=True)
+        """,
+    )
+    junit = tmp_path / "gate.xml"
+    # in a process of its own: were os._exit() not caught, it would end this test session, with status 0
+    command = [sys.executable, "-m", "tracer_cli", "check", str(SAMPLES / "mlp.py"), str(model), "--junit-xml", str(junit)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3 and "SystemExit: 0" in result.stderr
+    assert junit.exists() and "SystemExit" in junit.read_text()

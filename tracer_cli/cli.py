@@ -659,10 +659,19 @@ def _process_state_kept() -> Iterator[None]:
     """Put back what a model file may change for the whole process: the working folder (``os.chdir`` to its own
     folder, a common idiom, moved where later targets and --json, --junit-xml and export paths were found)
     and torch's global modes (a default dtype, deterministic algorithms or anomaly mode set by one target of
-    ``check`` would apply to the next)."""
+    ``check`` would apply to the next). Meanwhile ``os._exit()`` in this process raises SystemExit, as
+    ``sys.exit()`` does: it would end gradtrace at once, with the model's status (0: a green CI job) and
+    no report; a forked child (a DataLoader worker) still exits."""
     import os
 
     import torch
+
+    real_exit, pid = os._exit, os.getpid()
+
+    def exit_in_model(status: int) -> None:
+        if os.getpid() != pid:
+            real_exit(status)
+        raise SystemExit(status)
 
     try:
         folder: str | None = os.getcwd()
@@ -671,9 +680,11 @@ def _process_state_kept() -> Iterator[None]:
     dtype = torch.get_default_dtype()
     deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    os._exit = exit_in_model
     try:
         yield
     finally:
+        os._exit = real_exit
         if folder is not None:
             os.chdir(folder)
         torch.set_default_dtype(dtype)

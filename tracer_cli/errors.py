@@ -81,7 +81,7 @@ class UserCodeError(ModelError):
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         if isinstance(exc, SystemExit) and hint is None:
             hint = (
-                "the model's code called sys.exit() (argparse does on arguments it does not know): a model file is "
+                "the model's code called sys.exit() or os._exit() (argparse does on arguments it does not know): a model file is "
                 'imported, so keep script code under if __name__ == "__main__":'
             )
         super().__init__(f"{phase} raised {summary}", hint)
