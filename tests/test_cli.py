@@ -793,3 +793,16 @@ def test_os_exit_in_the_model_is_a_model_error_not_a_silent_success(tmp_path, wh
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 3 and "SystemExit: 0" in result.stderr
     assert junit.exists() and "SystemExit" in junit.read_text()
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_no_line_of_a_log_ends_in_spaces(runner, command, monkeypatch):
+    """Rich pads table cells (the summary, the findings table with a two-line row); a log (not a terminal)
+    gets each line as long as what it says, with colours (FORCE_COLOR) or without."""
+    for colour in ("", "1"):
+        monkeypatch.setenv("FORCE_COLOR", colour) if colour else monkeypatch.delenv("FORCE_COLOR", raising=False)
+        result = invoke(runner, command, str(SAMPLES / "nan_forward.py"), "--max-grad-norm", "1")
+        lines = result.stdout.splitlines()
+        assert len(lines) > 10 and any("FAIL" in line for line in lines)
+        assert not [line for line in lines if re.sub(r"\x1b\[[0-9;]*m", "", line).endswith(" ")], result.stdout
+        assert ("\x1b[" in result.stdout) == bool(colour)

@@ -45,7 +45,7 @@ JOB_TIMEOUT_S = 120
 FAILING_JOB_TIMEOUT_S = 90
 FAILURE_WALL_LIMIT_S = 60
 
-PREFIX = re.compile(r"^\[rank(\d+)\] ")
+PREFIX = re.compile(r"^\[rank(\d+)\](?: |$)")  # an empty line is the prefix alone (no line ends in a space)
 ANY_PREFIX = re.compile(r"\[rank\d+\]")
 NODE_LINE = re.compile(r"[├└]── #\d+ ")
 # torchrun's environment must not leak into the jobs when pytest itself runs under torchrun

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import io
 import math
+import re
 import sys
 import traceback
 import warnings
@@ -133,7 +134,11 @@ class _Status:
 
     def __init__(self) -> None:
         console = _stderr_console()
-        self._status = console.status("") if console.is_terminal else None
+        try:  # a terminal, not a log that keeps colours (FORCE_COLOR), where each frame would be a line
+            terminal = console.is_terminal and sys.stderr.isatty()
+        except (AttributeError, ValueError):
+            terminal = False
+        self._status = console.status("") if terminal else None
         if self._status is not None:
             self._status.start()
 
@@ -835,13 +840,48 @@ def _log_console(record: bool = False, silent: bool = False) -> Any:
 
     if silent:
         return Console(highlight=False, record=record, file=_Discard(), width=_LOG_WIDTH)
-    console = Console(highlight=False, record=record)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(highlight=False, record=record, width=_LOG_WIDTH)
-    return console
+    try:
+        terminal = sys.stdout.isatty()
+    except (AttributeError, ValueError):  # no stdout, or a closed one
+        terminal = False
+    if terminal:
+        return Console(highlight=False, record=record)
+    # a log, also one that keeps colours (FORCE_COLOR): a table pads its cells, but no line of it ends in spaces
+    width = None if "COLUMNS" in os.environ else _LOG_WIDTH
+    return Console(highlight=False, record=record, width=width, file=_LineEndsTrimmed(sys.stdout))
 
 
 _LOG_WIDTH = 10_000
+
+
+class _LineEndsTrimmed(io.TextIOBase):
+    """Writes to ``out`` each line without the spaces that end it (before any closing style codes)."""
+
+    _END = re.compile(r" +((?:\x1b\[[0-9;]*m)*)$", re.MULTILINE)
+
+    def __init__(self, out: Any):
+        super().__init__()
+        self._out = out
+        self._line = ""  # the start of a line not ended yet
+
+    def write(self, text: str) -> int:
+        done, _, self._line = (self._line + text).rpartition("\n")
+        if _:
+            self._out.write(self._END.sub(r"\1", done) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._line:  # a line without its end yet (a prompt, a progress line): as it is
+            self._out.write(self._line)
+            self._line = ""
+        self._out.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._out, "encoding", None) or "utf-8"
 
 
 class _Discard(io.TextIOBase):
