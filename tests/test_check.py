@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from typer.testing import CliRunner
 
 from tracer_cli.checks import (
@@ -232,10 +234,13 @@ def test_max_grad_norm_flags_exactly_the_parameters_above_it(runner):
     result = check(runner, sample("mlp"), "--max-grad-norm", f"{limit:.6g}")
     assert result.exit_code == 1, result.output
     failing = table(result.stdout, "FAIL")
+    assert all(row["check"] == "norm" for row in failing)
+    growth = [row for row in failing if "grows past" in row["finding"]]  # where it starts, not a parameter
+    assert growth and all(row["parameter"] == "–" for row in growth)
+    failing = [row for row in failing if row not in growth]
     assert {row["parameter"] for row in failing} == {name for name, v in norms.items() if v > limit} | {
         "(all parameters)"
     }
-    assert all(row["check"] == "norm" for row in failing)
     assert any(row["finding"].startswith("total ‖grad‖") for row in failing) and total > limit
     for row in failing:  # the value column shows each norm (3 significant digits)
         expected = total if row["parameter"] == "(all parameters)" else norms[row["parameter"]]
@@ -243,6 +248,33 @@ def test_max_grad_norm_flags_exactly_the_parameters_above_it(runner):
     # a limit above every norm (and the total) passes
     result = check(runner, sample("mlp"), "--max-grad-norm", f"{total * 1.01:.6g}")
     assert result.exit_code == 0, result.output
+
+
+def test_max_grad_norm_names_where_gradients_grow_past_it():
+    """A head scaled up by 1e6: every parameter before it gets a huge gradient, but the growth starts at
+    the head's AddmmBackward0, which receives a small gradient and sends on a huge one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[4].weight.mul_(1e6)
+    x, labels = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    seen = {}  # independently: the head's gradients, from a module backward hook of a plain backward
+    handle = model[4].register_full_backward_hook(
+        lambda module, grad_input, grad_output: seen.update(into=float(grad_output[0].norm()), out=float(grad_input[0].norm()))
+    )
+    F.cross_entropy(model(x), labels).backward()
+    handle.remove()
+    limit = 100.0
+    assert seen["into"] < limit < seen["out"]
+
+    model.zero_grad()
+    result = trace(model, (x,), loss_fn=lambda out: F.cross_entropy(out, labels))
+    (growth,) = [f for f in norm_findings(result, Thresholds(max_grad_norm=limit)) if "grows past" in f.detail]
+    assert (growth.name, growth.module) == ("AddmmBackward0", "4")
+    assert growth.value == pytest.approx(seen["out"], rel=1e-4)
+    assert f"receives ‖{seen['into']:.3g}‖" in growth.detail
+    # a limit above every gradient names no node
+    assert not [f for f in norm_findings(result, Thresholds(max_grad_norm=seen["out"] * 100)) if "grows past" in f.detail]
 
 
 def test_min_grad_norm_flags_the_parameters_below_it(runner):

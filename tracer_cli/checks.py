@@ -337,6 +337,39 @@ def norm_findings(trace: Trace, thresholds: Thresholds) -> list[Finding]:
     findings.sort(key=lambda f: -f.value if "above" in f.detail else f.value)  # type: ignore[operator]
     if norms:
         judge(math.sqrt(sum(v * v for v in norms.values())), param=ALL_PARAMETERS)
+    if thresholds.max_grad_norm is not None:
+        findings[:0] = _growth_findings(trace, thresholds.max_grad_norm)
+    return findings
+
+
+GROWTH_SHOWN = 5  # nodes where gradients grow past --max-grad-norm, named at most
+
+
+def _growth_findings(trace: Trace, limit: float) -> list[Finding]:
+    """Where gradients grow past ``limit``: nodes that send one on above it although every gradient they
+    received was within it (the parameters above it only show where the growth ends up). The first
+    GROWTH_SHOWN in execution order."""
+    found = []
+    for node in trace.executed():
+        received = [stat.norm for side, _, stat in node.stats() if side == "out" and stat.norm is not None]
+        sent = [stat.norm for side, _, stat in node.stats() if side == "in" and stat.norm is not None and math.isfinite(stat.norm)]
+        if sent and received and max(sent) > limit and all(math.isfinite(n) and n <= limit for n in received):
+            found.append((node, max(received), max(sent)))
+    findings = [
+        Finding(
+            "norm",
+            f"‖grad‖ grows past --max-grad-norm {limit:g} here: it receives ‖{into:.3g}‖ and sends on ‖{out:.3g}‖",
+            node=node.id,
+            name=node.name,
+            module=node.module,
+            value=out,
+            source=node.source,
+        )
+        for node, into, out in found[:GROWTH_SHOWN]
+    ]
+    if len(found) > GROWTH_SHOWN:
+        more = len(found) - GROWTH_SHOWN
+        findings[-1] = replace(findings[-1], detail=f"{findings[-1].detail} ({more} more such {'node' if more == 1 else 'nodes'})")
     return findings
 
 
