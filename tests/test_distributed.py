@@ -582,6 +582,7 @@ def test_timeout_bounds_a_rank_that_hangs(tmp_path):
     assert j.returncode != 0, j
     assert_line_discipline(j)
     assert any(line.startswith("gradtrace: error:") for line in j.lines(0, "stderr")), j
+    assert "did not answer within --timeout 5 s" in j.stderr, j  # not "the first error above" (there is none)
     assert "internal error" not in j.stderr, j
     assert_no_leftovers(j)
 

@@ -924,7 +924,13 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
         from .errors import ModelError
 
         echo = lost_peer(error) and not isinstance(error, KeyboardInterrupt)
-        if echo:  # not this rank's fault: say so, and let the failing rank be seen first
+        if echo and "timed out" in str(error).lower():  # no rank failed: one is slow, or stuck
+            error = ModelError(
+                f"another rank did not answer within --timeout {options.timeout:g} s (it hangs, or is that much "
+                f"slower): {error}",
+                hint="raise --timeout if a rank is only slow; a rank that hangs is stopped when this one exits",
+            )
+        elif echo:  # not this rank's fault: say so, and let the failing rank be seen first
             error = ModelError(
                 f"another rank failed or went away while this one waited for it: {error}",
                 hint="the first error above, from another rank, is the cause",
