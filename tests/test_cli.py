@@ -256,15 +256,15 @@ def test_output_check_tolerates_other_ranks_checking_the_same_path(tmp_path, mon
 
     out = tmp_path / "out.json"
     out.write_text("kept")
-    _check_writable(str(out))
+    _check_writable(str(out), "--json")
     assert out.read_text() == "kept"
     monkeypatch.setattr(Path, "exists", lambda self: False)  # another rank made it after this rank looked
-    _check_writable(str(out))
+    _check_writable(str(out), "--json")
     assert out.read_text() == "kept"
     monkeypatch.undo()
     out.unlink()
     monkeypatch.setattr(Path, "exists", lambda self: self == out or Path.is_dir(self))  # ... removed it meanwhile
-    _check_writable(str(out))
+    _check_writable(str(out), "--json")
     monkeypatch.undo()
     assert not out.exists()
 
@@ -806,3 +806,22 @@ def test_no_line_of_a_log_ends_in_spaces(runner, command, monkeypatch):
         assert len(lines) > 10 and any("FAIL" in line for line in lines)
         assert not [line for line in lines if re.sub(r"\x1b\[[0-9;]*m", "", line).endswith(" ")], result.stdout
         assert ("\x1b[" in result.stdout) == bool(colour)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["run", "sample_models/mlp.py:"], "no NAME after ':' in target 'sample_models/mlp.py:'"),
+        (["run", "sample_models"], "sample_models is a folder, not a Python file"),
+        (["run", "sample_models/mlp.py", "--json", ""], "--json was given an empty path"),
+        (["run", "sample_models/mlp.py", "--json", "sample_models/mlp.py/out.json"], "'sample_models/mlp.py' is a file"),
+        (["run", "sample_models/mlp.py", "--dot", "-"], "--dot -: only --json writes to stdout"),
+        (["check", "sample_models/mlp.py", "--junit-xml", "-"], "--junit-xml -: only --json writes to stdout"),
+        (["run", "sample_models/mlp.py", "--ranks", "x"], "--ranks takes 'all' or a comma list"),
+    ],
+)
+def test_usage_errors_say_what_is_wrong(runner, monkeypatch, args, fragment):
+    monkeypatch.chdir(ROOT)
+    result = invoke(runner, *args)
+    assert result.exit_code == 2 and fragment in result.stderr, result.stderr
+    assert not (ROOT / "-").exists()

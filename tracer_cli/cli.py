@@ -455,6 +455,8 @@ def _options(ctx: typer.Context) -> _Options:
         raise UsageError(
             f"--min-grad-norm {thresholds.min_grad_norm:g} is above --max-grad-norm {thresholds.max_grad_norm:g}"
         )
+    if params["ranks"].strip() != "all":  # its form, also in one process (which ranks: under torchrun)
+        _selected_ranks(params["ranks"], sys.maxsize)
     if not 0 <= params["seed"] < 2**63:  # torch.manual_seed's range, with room for --rank-seed's seed + rank
         raise UsageError(f"--seed {params['seed']} is out of range", hint=f"use a seed from 0 to {2**63 - 1}")
     targets = [params["target"]] if command == "run" else list(params["targets"] or [])
@@ -464,10 +466,14 @@ def _options(ctx: typer.Context) -> _Options:
             hint="name model files (gradtrace check model.py other.py) or set targets = [...] in [tool.gradtrace] "
             "of pyproject.toml",
         )
-    exports = {kind: params[kind] for kind in ("svg", "html", "dot") if params.get(kind)}
-    for path in (params.get("json_path"), params.get("junit_xml"), *exports.values()):
-        if path is not None and path != "-":
-            _check_writable(path)
+    exports = {kind: params[kind] for kind in ("svg", "html", "dot") if params.get(kind) is not None}
+    outputs = {"--json": params.get("json_path"), "--junit-xml": params.get("junit_xml")}
+    for option, path in [*outputs.items(), *((f"--{kind}", path) for kind, path in exports.items())]:
+        if path is None or (path == "-" and option == "--json"):
+            continue
+        if path == "-":  # it would write a file named "-"
+            raise UsageError(f"{option} -: only --json writes to stdout", hint=f"name a file for {option}")
+        _check_writable(path, option)
     inputs = params["inputs"]
     if params["input"] and inputs is not None:  # either on the command line replaces both config keys
         from_config = not {"input", "inputs"} & _given(ctx)
@@ -511,17 +517,21 @@ def _options(ctx: typer.Context) -> _Options:
     )
 
 
-def _check_writable(path: str) -> None:
+def _check_writable(path: str, option: str) -> None:
     """Refuse an output file that cannot be written before the model runs, not after (a folder that is
     missing or not writable, or a folder given as the file)."""
     import os
 
     from .errors import UsageError
 
+    if not path:
+        raise UsageError(f"{option} was given an empty path", hint=f"name a file for {option}")
     target = Path(path)
     folder = target.parent
     if target.is_dir():
         raise UsageError(f"cannot write {path}: it is a folder")
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"cannot write {path}: {str(folder)!r} is a file, not a folder")
     if not folder.is_dir():
         raise UsageError(f"cannot write {path}: no folder {str(folder)!r}")
     if not os.access(folder, os.W_OK):

@@ -82,8 +82,12 @@ def split_target(target: str) -> tuple[str, str, str | None]:
     head, sep, tail = target.rpartition(":")
     if sep and _IDENTIFIER.match(tail) and head:
         location, name = head, tail
+    elif sep and head and not tail:
+        raise UsageError(f"no NAME after ':' in target {target!r}", hint=f"name an attribute ({head}:build_model) or drop the ':'")
     if location.endswith(".py") or os.sep in location or "/" in location:
         return "file", location, name
+    if os.path.isdir(location) and not os.path.exists(os.path.join(location, "__init__.py")):  # not a package
+        raise UsageError(f"{location} is a folder, not a Python file", hint="name the model file, e.g. model.py")
     if _DOTTED.match(location):
         return "module", location, name
     raise UsageError(
