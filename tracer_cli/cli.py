@@ -150,6 +150,13 @@ class _Status:
         if self._status is not None:
             self._status.stop()
 
+    def note(self, message: str) -> None:
+        """A line on stderr that stays, above the spinner while it spins."""
+        if self._status is not None:
+            self._status.console.print(message, style="dim", markup=False)
+        else:
+            _note(message)
+
 
 # The options of `run` and `check`, defined once. Both commands list them; `_options` reads their values
 # from the click context (after `[tool.gradtrace]` defaults), so neither command body copies them.
@@ -621,8 +628,18 @@ def _forwarded_args(ctx: typer.Context, drop: set[str]) -> list[str]:
     return [ctx.info_name or "run", *args]
 
 
-def _trace(options: _Options, target: str, *, seed: int, device: str, rank: int = 0, world_size: int = 1) -> Any:
-    """Load one target, make its inputs and trace it: the library calls behind ``run`` and ``check``."""
+def _trace(
+    options: _Options,
+    target: str,
+    *,
+    seed: int,
+    device: str,
+    rank: int = 0,
+    world_size: int = 1,
+    note: Callable[[str], None] | None = None,
+) -> Any:
+    """Load one target, make its inputs and trace it: the library calls behind ``run`` and ``check``.
+    ``note`` says what takes longer than usual (on stderr, by default)."""
     from .loading import prepare_run
     from .tracing import trace
 
@@ -661,12 +678,12 @@ def _trace(options: _Options, target: str, *, seed: int, device: str, rank: int 
             return result
         # a non-finite loss: forward made it, and only forward values tell where. The same step again, from the
         # same random state (dropout draws the same masks), its buffers and .grad put back by trace()
-        _stderr_console().print(
-            f"the loss is {loss}: tracing the step again with forward values, to find where forward made it",
-            style="dim",
-            markup=False,
-        )
+        (note or _note)(f"the loss is {loss}: tracing the step again with forward values, to find where forward made it")
         return step(forward_stats=True)
+
+
+def _note(message: str) -> None:
+    _stderr_console().print(message, style="dim", markup=False)
 
 
 @contextlib.contextmanager
@@ -741,7 +758,7 @@ def _traced(options: _Options, target: str) -> Any:
     status = _Status()
     try:
         status.update(f"{target}: loading the model, then running forward and backward")
-        return _trace(options, target, seed=options.seed, device=options.device)
+        return _trace(options, target, seed=options.seed, device=options.device, note=status.note)
     finally:
         status.stop()
 
