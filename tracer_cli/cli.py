@@ -892,8 +892,8 @@ class _LineEndsTrimmed(io.TextIOBase):
         self._line = ""  # the start of a line not ended yet
 
     def write(self, text: str) -> int:
-        done, _, self._line = (self._line + text).rpartition("\n")
-        if _:
+        done, ended, self._line = (self._line + text).rpartition("\n")
+        if ended:
             self._out.write(self._END.sub(r"\1", done) + "\n")
         return len(text)
 
