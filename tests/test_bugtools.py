@@ -101,7 +101,7 @@ def test_forward_nan_origin_is_the_op_that_made_it():
     plain = sample_trace("nan_forward")
     assert plain.forward_nonfinite_origin() is None and plain.summary()["first_nonfinite_forward"] is None
     (finding,) = [f for f in nonfinite_findings(plain) if f.detail.startswith("the loss is nan")]
-    assert "forward_stats=True" in finding.detail
+    assert "forward_stats=True" in finding.detail and "--json" in finding.detail
 
 
 def test_forward_nan_in_a_parameter_is_named_by_the_parameter():
@@ -126,6 +126,35 @@ def test_run_traces_a_nan_loss_again_to_name_where_forward_made_it():
     assert checked.exit_code == 1 and "forward made a nan first at #" in checked.stdout
     # a finite loss is traced once
     assert "tracing the step again" not in invoke("run", str(SAMPLES_DIR / "nan_where.py")).stderr
+
+
+def test_a_nan_loss_that_does_not_repeat_keeps_the_first_steps_findings(tmp_path):
+    """Traced again, a forward that keeps state (or draws from another generator) may not make the NaN: the
+    first step's findings stand, and the note says where it was made is not known."""
+    model = tmp_path / "first_call_only.py"
+    model.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class FirstCallOnly(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 16)
+                self.calls = 0
+
+            def forward(self, x):
+                self.calls += 1
+                h = self.fc(x)
+                return (torch.log(h) if self.calls == 1 else h).sum()
+
+        model = FirstCallOnly()
+
+        def example_inputs():
+            return torch.randn(4, 8)
+    """))
+    result = invoke("check", str(model))
+    assert result.exit_code == 1 and "the loss is nan" in result.stdout
+    assert "does not repeat itself" in result.stderr
 
 
 def test_extremes_leave_out_the_seed_of_backward():

@@ -232,7 +232,7 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
         if made is not None:
             message = f"the loss is {kind}: forward made a {made.forward.nonfinite_kind} first at #{made.id} {made.label()}"
         else:
-            message = f"the loss is {kind}: the forward pass already produced it (forward_stats=True finds where)"
+            message = f"the loss is {kind}: the forward pass already produced it (forward values tell where: --json, or trace(forward_stats=True))"
         findings.append(
             Finding(
                 "nonfinite",

@@ -679,7 +679,16 @@ def _trace(
         # a non-finite loss: forward made it, and only forward values tell where. The same step again, from the
         # same random state (dropout draws the same masks), its buffers and .grad put back by trace()
         (note or _note)(f"the loss is {loss}: tracing the step again with forward values, to find where forward made it")
-        return step(forward_stats=True)
+        again = step(forward_stats=True)
+        if again.meta.loss is not None and not math.isfinite(again.meta.loss):
+            return again
+        # forward did not repeat itself (state it keeps, another random generator): the first step's findings stand
+        (note or _note)(
+            f"traced again, the loss was {again.meta.loss:.6g}: this model's forward does not repeat itself, so where it "
+            "made the first loss's non-finite value is not known (gradtrace run --json records forward values in "
+            "the first step)"
+        )
+        return result
 
 
 def _note(message: str) -> None:
