@@ -30,6 +30,7 @@ from tracer_cli.checks import (
     merge_rank_findings,
     norm_findings,
     parse_fail_on,
+    trace_findings,
 )
 from tracer_cli.cli import app
 from tracer_cli.render.github import annotations, escape_data, escape_property
@@ -640,3 +641,34 @@ def test_check_across_ranks_names_the_divergence(tmp_path):
     assert any(re.search(r"FAIL\s+divergence\s+#\d+ MulBackward0\s+block2", line) for line in lines), job.stdout
     divergence = cases(parse_junit(junit))[(sample("dist_forward"), "divergence")]
     assert "MulBackward0 in block2" in divergence.find("failure").text
+
+
+def test_a_parameter_a_custom_backward_gives_none_has_no_gradient():
+    """Its AccumulateGrad runs (the edge is there), but with None: no gradient, as a plain backward shows."""
+
+    class NoneForW(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x + w
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.fc(NoneForW.apply(x, self.w))
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(2, 4)
+    model(x).sum().backward()
+    assert model.w.grad is None and model.fc.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+    result = trace(model, (x,))
+    assert result.params_without_grad == ("w",)
+    assert [f.param for f in trace_findings(result, Thresholds()) if f.kind == "nograd"] == ["w"]

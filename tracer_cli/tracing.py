@@ -1367,7 +1367,12 @@ class _TraceSession:
                 ),
             )
         )
-        with_grad = {params[p] for p in leaves if orders[p] is not None}
+        # a leaf that ran received a gradient, unless every one it got was None (a custom backward's None for it)
+        with_grad = {
+            params[p]
+            for p in leaves
+            if any(stat is not None for stats in (grad_outputs[p], *(c.grad_outputs for c in every_call[p])) for stat in stats or ())
+        }
         missing = tuple(
             leaf.name for leaf in self.leaves.values() if leaf.tensor.requires_grad and leaf.name not in with_grad
         )
