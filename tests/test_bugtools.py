@@ -104,6 +104,47 @@ def test_forward_nan_origin_is_the_op_that_made_it():
     assert "forward_stats=True" in finding.detail and "--json" in finding.detail
 
 
+def test_forward_nan_origin_is_the_one_that_reaches_the_loss():
+    """A NaN that torch.where masks is made first, but the loss's NaN comes from a later 0/0: that is named."""
+
+    class MaskedThenReal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            safe = torch.where(h > 0, torch.log(h), 0.0)  # log's NaN, masked
+            return safe + (h - h) / (h - h)  # 0/0: the NaN that reaches the loss
+
+    torch.manual_seed(0)
+    model, x = MaskedThenReal(), torch.randn(3, 4)
+    with torch.no_grad():  # independently: the log makes a NaN, where() masks it, the division makes one
+        h = model.fc(x)
+        assert torch.log(h).isnan().any() and torch.where(h > 0, torch.log(h), 0.0).isfinite().all()
+    result = trace(model, (x,), forward_stats=True)
+    made = result.forward_nonfinite_origin()
+    assert made.name == "DivBackward0"
+    logs = [n for n in result.nodes if n.name == "LogBackward0"]
+    assert logs and not logs[0].forward.finite and logs[0].created < made.created  # made first, not named
+
+
+def test_forward_nan_made_in_a_custom_function_names_it():
+    class BadLog(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return torch.log(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    torch.manual_seed(0)
+    result = trace(lambda x: BadLog.apply(x - 2.0).tanh().sum(), (torch.rand(4),), forward_stats=True)
+    made = result.forward_nonfinite_origin()
+    assert made.name.endswith("BadLogBackward") and not made.forward.finite
+
+
 def test_forward_nan_in_a_parameter_is_named_by_the_parameter():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))

@@ -17,7 +17,7 @@ tensors), and fails if either fails:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .records import Gradcheck
 from .tracing import _tensors_in
@@ -30,8 +30,11 @@ _ROUNDING = 10 * 2.0**-52  # float64 rounding of each output value, with a margi
 
 
 @contextlib.contextmanager
-def recording_calls(calls: dict[int, tuple] | None, keep_args: bool, sites: Any = None) -> Iterator[None]:
-    """Record each custom Function call under ``id(node)`` (and, with ``sites``, where it was made).
+def recording_calls(
+    calls: dict[int, tuple] | None, keep_args: bool, sites: Any = None, on_output: Callable[[Any], None] | None = None
+) -> Iterator[None]:
+    """Record each custom Function call under ``id(node)`` (and, with ``sites``, where it was made; with
+    ``on_output``, its output: no TorchFunctionMode sees it).
 
     The record is ``(node, Function class, args, kwargs, tensor_mask)``: ``tensor_mask``
     says which positional arguments were tensors (the backward returns one gradient per
@@ -51,6 +54,8 @@ def recording_calls(calls: dict[int, tuple] | None, keep_args: bool, sites: Any 
             site = sites.user_site()  # caller's line goes on
             sites.starts += (first, first + 1)
             sites.sites += (site, site)
+        if on_output is not None:
+            on_output(output)
         if calls is None:
             return output
         for tensor in _tensors_in(output, torch.Tensor):

@@ -489,12 +489,26 @@ class Trace:
                     yield node, stat
 
     def forward_nonfinite_origin(self) -> Node | None:
-        """Where forward first made a NaN or infinity: a parameter or input that holds one, else the
-        earliest-created node whose op's output does. Known only where forward values were recorded
-        (``forward_stats=True``; ``gradtrace run`` records them when the loss is not finite)."""
-        made = [n for n in self.nodes if n.forward is not None and n.forward.finite is False and n.created_in is None]
-        leaves = [n for n in made if n.created is None]
-        return leaves[0] if leaves else min(made, key=lambda n: n.created, default=None)
+        """Where forward made the NaN or infinity of a non-finite loss: a parameter or input that holds one,
+        else the earliest-created op whose output does, of those the value reached the loss through (a NaN
+        that ``torch.where`` masks is not it). Followed from the loss through outputs that are not finite,
+        or not recorded (ops made inside an op, custom Functions). Known only where forward values were
+        recorded (``forward_stats=True``; ``gradtrace run`` records them when the loss is not finite)."""
+        if not self.nodes:
+            return None
+        reached, seen, stack = [], {0}, [0]
+        while stack:
+            node = self.nodes[stack.pop()]
+            if node.forward is not None and node.forward.finite is not False:  # the value did not come through it
+                continue
+            if node.forward is not None and node.created_in is None:
+                reached.append(node)
+            for child in node.next:
+                if child is not None and child not in seen:
+                    seen.add(child)
+                    stack.append(child)
+        leaves = sorted((n for n in reached if n.created is None), key=lambda n: n.id)
+        return leaves[0] if leaves else min(reached, key=lambda n: n.created, default=None)
 
     @staticmethod
     def origin_kind(node: Node) -> str | None:

@@ -1710,11 +1710,12 @@ def trace(
                 forward_context.enter_context(_forward_mode_class()(session, None if by_lines else session.sites))
             if by_lines:
                 forward_context.enter_context(session.sites.tracing_lines())
-            if gradcheck or replay or session.sites is not None:
+            if gradcheck or replay or session.sites is not None or forward_stats:
                 from .gradcheck import recording_calls
 
                 calls = session.custom_calls if gradcheck or replay else None
-                forward_context.enter_context(recording_calls(calls, keep_args=gradcheck, sites=session.sites))
+                on_output = session.record_forward if forward_stats else None  # a custom Function's output
+                forward_context.enter_context(recording_calls(calls, keep_args=gradcheck, sites=session.sites, on_output=on_output))
             try:
                 with tracker.root_call():
                     output = model(*args, **kwargs)
