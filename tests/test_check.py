@@ -278,6 +278,35 @@ def test_max_grad_norm_names_where_gradients_grow_past_it():
     assert not [f for f in norm_findings(result, Thresholds(max_grad_norm=seen["out"] * 100)) if "grows past" in f.detail]
 
 
+def test_max_grad_norm_names_where_branches_add_up_past_it():
+    """Two branches each send 60 back to h: neither is above 100, their sum at h's node is."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.ones(1))
+    x = torch.ones(1)
+    h = x * w
+    h.retain_grad()
+    loss = (h * 60.0).sum() + (h * 60.0).sum()
+    loss.backward()  # independently: the gradient that reaches h
+    assert float(h.grad.norm()) == pytest.approx(120.0)
+
+    class TwoBranches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = w
+
+        def forward(self, x):
+            h = x * self.w
+            return (h * 60.0).sum() + (h * 60.0).sum()
+
+    w.grad = None
+    result = trace(TwoBranches(), (x,), input_grad=False)
+    (growth,) = [f for f in norm_findings(result, Thresholds(max_grad_norm=100.0)) if "grows past" in f.detail]
+    node = result.nodes[growth.node]
+    assert node.name == "MulBackward0" and any(result.nodes[c].param == "w" for c in node.next if c is not None)
+    assert "2 gradients, each within it (the largest ‖60‖), add up to ‖120‖" in growth.detail
+    assert growth.value == pytest.approx(120.0)
+
+
 def test_min_grad_norm_flags_the_parameters_below_it(runner):
     norms = plain_mlp_norms()
     smallest = min(norms, key=norms.get)

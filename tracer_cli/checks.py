@@ -346,26 +346,40 @@ GROWTH_SHOWN = 5  # nodes where gradients grow past --max-grad-norm, named at mo
 
 
 def _growth_findings(trace: Trace, limit: float) -> list[Finding]:
-    """Where gradients grow past ``limit``: nodes that send one on above it although every gradient they
-    received was within it (the parameters above it only show where the growth ends up). The first
-    GROWTH_SHOWN in execution order."""
+    """Where gradients grow past ``limit`` (the parameters above it only show where the growth ends up):
+    nodes that send one on above it although every gradient they received was within it, and nodes that
+    receive one above it summed from several, each within it (a residual stream's branches adding up).
+    The first GROWTH_SHOWN in execution order."""
+
+    def within(norms: list[float]) -> bool:
+        return all(math.isfinite(norm) and norm <= limit for norm in norms)
+
+    sent_to: dict[int, list[float]] = {}  # node id -> the norm of each gradient another node sent it
+    for node in trace.executed():
+        for child, stat in zip(node.next, node.grad_inputs or ()):
+            if child is not None and stat is not None and stat.norm is not None:
+                sent_to.setdefault(child, []).append(stat.norm)
     found = []
     for node in trace.executed():
         received = [stat.norm for side, _, stat in node.stats() if side == "out" and stat.norm is not None]
         sent = [stat.norm for side, _, stat in node.stats() if side == "in" and stat.norm is not None and math.isfinite(stat.norm)]
-        if sent and received and max(sent) > limit and all(math.isfinite(n) and n <= limit for n in received):
-            found.append((node, max(received), max(sent)))
+        parts = sent_to.get(node.id, [])
+        if received and max(received) > limit and len(parts) > 1 and within(parts):
+            why = f"{len(parts)} gradients, each within it (the largest ‖{max(parts):.3g}‖), add up to ‖{max(received):.3g}‖"
+            found.append((node, why, max(received)))
+        elif sent and received and max(sent) > limit and within(received):
+            found.append((node, f"it receives ‖{max(received):.3g}‖ and sends on ‖{max(sent):.3g}‖", max(sent)))
     findings = [
         Finding(
             "norm",
-            f"‖grad‖ grows past --max-grad-norm {limit:g} here: it receives ‖{into:.3g}‖ and sends on ‖{out:.3g}‖",
+            f"‖grad‖ grows past --max-grad-norm {limit:g} here: {why}",
             node=node.id,
             name=node.name,
             module=node.module,
-            value=out,
+            value=value,
             source=node.source,
         )
-        for node, into, out in found[:GROWTH_SHOWN]
+        for node, why, value in found[:GROWTH_SHOWN]
     ]
     if len(found) > GROWTH_SHOWN:
         more = len(found) - GROWTH_SHOWN
