@@ -121,6 +121,48 @@ def test_tiny_gradients_are_not_read_as_zero(size, dtype):
     assert zero == ["zero"]
 
 
+@pytest.mark.parametrize("size", [8, 1 << 16], ids=["batched", "at-once"])
+@pytest.mark.parametrize(
+    "dtype, scale",
+    [(torch.float32, 1e20), (torch.bfloat16, 1e34), (torch.float64, 1e200), (torch.float64, 1e-170)],
+    ids=["float32-huge", "bf16-huge", "float64-huge", "float64-tiny"],
+)
+def test_gradients_whose_squares_leave_the_dtype_keep_their_norms(size, dtype, scale):
+    """Finite gradients whose squares overflow (an infinite norm: read as a NaN/inf finding) or underflow (a
+    norm of 0: read as a dead parameter) keep their norms, against float64 norms of a plain backward's
+    ``.grad`` taken without squares; the joint parameter norm too."""
+
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(size, dtype=dtype))
+            self.zero = torch.nn.Parameter(torch.randn(size, dtype=dtype))
+
+        def forward(self, x):  # the weight's gradient: x * scale, every element finite
+            return (x * scale * self.weight).sum() + (x * self.zero * 0).sum()
+
+    torch.manual_seed(0)
+    model = Scaled()
+    x = torch.rand(size, dtype=dtype) + 0.5
+    result = trace(model, (x,), input_grad=False)
+    model(x).backward()
+
+    def exact(tensor):  # the norm without squares that leave float64: scaled by the largest element
+        values = tensor.double()
+        largest = values.abs().max()
+        return float(largest * (values / largest).norm()) if largest > 0 else 0.0
+
+    expected = exact(model.weight.grad)
+    assert math.isfinite(expected) and expected > 0
+    assert dict(result.param_grads)["weight"].norm == pytest.approx(expected, rel=1e-3, abs=0)
+    assert result.leaf("weight").grad_norm == pytest.approx(expected, rel=1e-3, abs=0)
+    assert result.summary()["param_grad_norm_total"] == pytest.approx(expected, rel=1e-3, abs=0)
+    from tracer_cli.checks import trace_findings
+
+    assert sorted({f.kind for f in trace_findings(result)}) == ["zero"]  # "zero" is the zero parameter's
+
+
 def test_tiny_and_infinite_gradients_in_one_batch_keep_their_norms():
     x, y = torch.randn(8), torch.randn(8)
     result = trace(lambda x, y: (x * 1e-24).sum() + (y * float("inf")).sum(), (x, y))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 from .compare import who_differs
-from .records import Node, Trace
+from .records import Node, Trace, joint_norm
 
 CHECKS = ("nonfinite", "nograd", "zero", "norm", "divergence", "gradcheck", "replay")
 CHECK_DEFAULT_FAILING = ("nonfinite", "nograd", "gradcheck")  # gradcheck and replay run only when asked for
@@ -336,7 +336,7 @@ def norm_findings(trace: Trace, thresholds: Thresholds) -> list[Finding]:
     # the most extreme first: largest above the maximum, then smallest below the minimum
     findings.sort(key=lambda f: -f.value if "above" in f.detail else f.value)  # type: ignore[operator]
     if norms:
-        judge(math.sqrt(sum(v * v for v in norms.values())), param=ALL_PARAMETERS)
+        judge(joint_norm(norms.values()), param=ALL_PARAMETERS)
     if thresholds.max_grad_norm is not None:
         findings[:0] = _growth_findings(trace, thresholds.max_grad_norm)
     return findings

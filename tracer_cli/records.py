@@ -279,7 +279,7 @@ class Node(NamedTuple):
         stats = [s for s in (self.grad_outputs or ()) if s is not None and s.norm is not None]
         if not stats:
             return None
-        return math.sqrt(sum(s.norm**2 for s in stats)) if len(stats) > 1 else stats[0].norm
+        return joint_norm(s.norm for s in stats)
 
     def label(self) -> str:
         """``name`` with the parameter or module, for messages."""
@@ -528,7 +528,7 @@ class Trace:
             nonfinite = [origin] + [n for n in nonfinite if n is not origin]
         norms = [(stat.norm, node) for node, stat in self.computed_stats() if math.isfinite(stat.norm)]
         grad_norms = self.parameter_grad_norms().values()
-        total = math.sqrt(sum(v * v for v in grad_norms)) if grad_norms else None
+        total = joint_norm(grad_norms) if grad_norms else None
 
         def brief(node: Node, **extra: Any) -> dict[str, Any]:
             return {"id": node.id, "name": node.name, "module": node.module, "param": node.param, **extra}
@@ -591,6 +591,13 @@ class Trace:
 def _made_nonfinite(node: Node) -> bool:
     """Of a node with a non-finite gradient: whether every gradient it received was finite (so it made it)."""
     return not any(side == "out" and stat.nonfinite_kind for side, _, stat in node.stats())
+
+
+def joint_norm(norms: Iterable[float]) -> float:
+    """The norm of several tensors taken together from theirs, without squares that underflow or overflow
+    (``math.hypot``); NaN if any is NaN."""
+    norms = list(norms)
+    return math.nan if any(map(math.isnan, norms)) else math.hypot(*norms)
 
 
 def iter_stats(stats: Iterable[GradStat | None] | None) -> Iterator[GradStat]:

@@ -570,9 +570,13 @@ PENDING_CALLS = 1 << 8
 OUT_CHUNK = 1024  # norms taken one at a time are written into buffers of this many values
 NO_VALUE = -1  # the position of a norm that could not be taken
 # A float32 sum of squares below TINY_SQUARE (a norm below TINY_NORM) may have lost elements whose squares
-# underflow (below about 1e-19 each); above it, what is lost is within float32 rounding.
+# underflow (below about 1e-19 each); above it, what is lost is within float32 rounding. The same for
+# float64 (elements below about 1e-154) below TINY_SQUARE_64 and TINY_NORM_64. An infinite norm of finite
+# elements is the other way out of range: squares that overflow (a float32 norm above about 1.8e19).
 TINY_SQUARE = 2.0**-100
 TINY_NORM = 2.0**-50
+TINY_SQUARE_64 = 2.0**-960
+TINY_NORM_64 = 2.0**-480
 
 
 _SHAPE, _DTYPE, _LAYOUT = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("layout")
@@ -597,6 +601,8 @@ class _Stats:
         self._wide = {torch.float64, torch.complex64, torch.complex128}  # normed in their own dtype
         self._dot, self._dot_dtypes = torch.dot, {torch.float32, torch.float64}
         self._float64, self._double = torch.float64, {torch.float64, torch.complex128}  # norms in float64
+        # result dtype -> (least square, least norm) read as exact
+        self._tiny = {torch.float32: (TINY_SQUARE, TINY_NORM), torch.float64: (TINY_SQUARE_64, TINY_NORM_64)}
         self._buffers: dict[tuple, list[Any]] = {}  # (device, dtype) -> [values, first position, used]
         self._squared: list[int] = []  # positions that hold a squared norm
         self.shapes: list[Any] = []
@@ -642,15 +648,19 @@ class _Stats:
             return tensor
         return tensor.coalesce().values() if tensor.is_sparse else tensor.values()
 
-    def _underflowed(self, tensor: Any, norm: Any, squared: bool) -> bool:
-        """Whether a float32 norm (or its square; or any of a 1-d tensor of norms) is small enough that
-        squares of the tensor's elements may have underflowed: elements all below about 1e-19 read as 0.
-        Known only where the norm can be read at once (:meth:`_readable_now`); elsewhere such a norm
-        stays as it is."""
-        if norm.dtype is not self._float32 or tensor.numel() == 0 or not self._readable_now(tensor, norm):
+    def _out_of_range(self, tensor: Any, norm: Any, squared: bool) -> bool:
+        """Whether a norm (or its square; or any of a 1-d tensor of norms) may be wrong although the tensor's
+        elements are finite: small enough that their squares may have underflowed (float32 elements all
+        below about 1e-19 read as 0), or infinite, as squares that overflow make it. Known only where the
+        norm can be read at once (:meth:`_readable_now`); elsewhere such a norm stays as it is."""
+        tiny = self._tiny.get(norm.dtype)
+        if tiny is None or tensor.numel() == 0 or not self._readable_now(tensor, norm):
             return False  # (an empty tensor's norm is 0, and it has no largest element)
-        limit = TINY_SQUARE if squared else TINY_NORM
-        return norm.item() < limit if norm.dim() == 0 else bool((norm < limit).any())
+        limit = tiny[0] if squared else tiny[1]
+        if norm.dim() == 0:
+            value = norm.item()
+            return value < limit or value == math.inf
+        return bool(((norm < limit) | norm.isinf()).any())
 
     def _readable_now(self, tensor: Any, norm: Any) -> bool:
         """Plain tensors (a tensor subclass's read may be a collective) on a device read at once."""
@@ -665,16 +675,18 @@ class _Stats:
         return self._scaled_norms(self._elements(tensor).reshape(1, -1))[0]
 
     def _scaled_norms(self, rows: Any) -> Any:
-        """The norm of each row, in float64, of elements scaled by the row's largest: exact where a float32
-        sum of squares underflows."""
+        """The norm of each row, in float64, of elements scaled by the row's largest: exact where a sum of
+        squares underflows or overflows. A row with an infinity or a NaN keeps it (its largest)."""
         torch = self._torch
         largest = self._vector_norm(rows, ord=math.inf, dim=-1, keepdim=True)  # exact in any dtype
         if not largest.any():  # all zeros (a dead branch): no scaled copy to make
             return largest.to(self._float64).reshape(rows.shape[:-1])
         if rows.dtype not in self._wide:  # bf16 and fp16 scaled in float32, not rounded again
             rows, largest = rows.to(self._float32), largest.to(self._float32)
-        scaled = rows / torch.where(largest > 0, largest, torch.ones_like(largest))
+        usable = (largest > 0) & largest.isfinite()
+        scaled = rows / torch.where(usable, largest, torch.ones_like(largest))
         norms = largest.to(self._float64) * self._vector_norm(scaled, dim=-1, keepdim=True).to(self._float64)
+        norms = torch.where(largest.isfinite(), norms, largest.to(self._float64))
         return norms.reshape(rows.shape[:-1])
 
     def _result_dtype(self, dtype: Any) -> Any:
@@ -688,16 +700,17 @@ class _Stats:
         buffer = self._buffers.get(key)
         if buffer is None or buffer[2] == OUT_CHUNK:
             values = self._torch.empty(OUT_CHUNK, dtype=key[1], device=key[0])
-            readable = key[1] is self._float32 and self._reads_at_once(key[0])
-            buffer = self._buffers[key] = [values, self.value(values), 0, readable]
-        values, first, used, readable = buffer
+            tiny = self._tiny.get(key[1]) if self._reads_at_once(key[0]) else None
+            buffer = self._buffers[key] = [values, self.value(values), 0, tiny]
+        values, first, used, tiny = buffer
         norm, squared = self._norm_tensor(tensor, out=values[used])
         if norm is None:
             return NO_VALUE
         buffer[2] = used + 1
-        # _underflowed(), inlined: this runs for every large gradient
-        if readable and type(tensor) is self._plain and norm.item() < (TINY_SQUARE if squared else TINY_NORM):
-            if tensor.numel():
+        # _out_of_range(), inlined: this runs for every large gradient
+        if tiny is not None and type(tensor) is self._plain:
+            value = norm.item()
+            if (value < tiny[0 if squared else 1] or value == math.inf) and tensor.numel():
                 return self.value(self._scaled_norm(tensor))
         if squared:
             self._squared.append(first + used)
@@ -800,8 +813,9 @@ class _Stats:
             norms = self._vector_norm(rows, dim=1)
         else:
             norms = self._vector_norm(rows, dim=1, dtype=self._float32)
-        if self._underflowed(stacked, norms, False):  # only those rows: a non-finite norm stays as it is
-            norms = self._torch.where(norms < TINY_NORM, self._scaled_norms(rows), norms.to(self._float64))
+        if self._out_of_range(stacked, norms, False):  # only those rows are taken again
+            suspect = (norms < self._tiny[norms.dtype][1]) | norms.isinf()
+            norms = self._torch.where(suspect, self._scaled_norms(rows), norms.to(self._float64))
         first = self.value(norms)
         return range(first, first + len(norms))
 
@@ -810,7 +824,7 @@ class _Stats:
         torch = self._torch
         parts = [self._norm_tensor(tensor) for tensor in tensors]
         parts = [
-            (self._scaled_norm(t), False) if norm is not None and self._underflowed(t, norm, squared) else (norm, squared)
+            (self._scaled_norm(t), False) if norm is not None and self._out_of_range(t, norm, squared) else (norm, squared)
             for t, (norm, squared) in zip(tensors, parts)
         ]
         slot = self._new_slot(tensors[0])
