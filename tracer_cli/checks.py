@@ -230,7 +230,9 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
         made = trace.forward_nonfinite_origin()
         root = made or (trace.nodes[0] if trace.nodes else None)
         if made is not None:
-            message = f"the loss is {kind}: forward made a {made.forward.nonfinite_kind} first at #{made.id} {made.label()}"
+            name = made.name.rpartition("::")[2]  # AccumulateGrad, as the table shows it
+            where = f" ({made.param})" if made.param is not None else f" in {made.module or '<root>'}" if made.module is not None else ""
+            message = f"the loss is {kind}: forward made a {made.forward.nonfinite_kind} first at #{made.id} {name}{where}"
         else:
             message = f"the loss is {kind}: the forward pass already produced it (forward values tell where: --json, or trace(forward_stats=True))"
         findings.append(
@@ -240,6 +242,7 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
                 node=root.id if root else None,
                 name=root.name if root else None,
                 module=root.module if root else None,
+                param=root.param if root else None,
                 value=kind,
                 source=root.source if root else None,
             )
