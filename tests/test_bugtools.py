@@ -605,3 +605,27 @@ def test_diff_does_not_say_agree_when_parameter_gradients_differ():
         console.print(render_diff(a, b, comparison, ("a", "b")))
     text = captured.get()
     assert "agree" not in text and "parameter gradients that differ: weight" in text, text
+
+
+def test_gradcheck_checks_a_function_that_changes_its_input_in_place():
+    """mark_dirty: the check runs on copies (before, it failed on a leaf used in an in-place operation)."""
+
+    class Triple(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.mark_dirty(x)
+            return x.mul_(3)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 3
+
+    class WrongTriple(Triple):
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    for function, passed in ((Triple, True), (WrongTriple, False)):
+        result = trace(lambda x: function.apply(x * 1.0).sum(), (torch.randn(4),), gradcheck=True)
+        (node,) = [n for n in result.nodes if n.gradcheck is not None]
+        assert node.gradcheck.error is None and node.gradcheck.passed is passed

@@ -96,8 +96,8 @@ def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck:
     def function(*tensors: Any) -> Any:
         rebuilt = list(args)
         for position, tensor in zip(positions, tensors):
-            rebuilt[position] = tensor
-        return cls.apply(*rebuilt, **kwargs)
+            rebuilt[position] = tensor.clone()  # a Function that changes its input in place (mark_dirty) may
+        return cls.apply(*rebuilt, **kwargs)  # not change a leaf, nor what the next evaluation starts from
 
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
