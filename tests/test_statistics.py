@@ -217,3 +217,24 @@ def test_non_finite_values_survive_batching():
     kinds = {n.name: n.nonfinite_kind for n in result.nodes}
     assert kinds["LogBackward0"] == "inf"
     assert result.nonfinite_origin() is not None
+
+
+@pytest.mark.parametrize("size", [16, 40000], ids=["small", "large"])
+def test_a_post_accumulate_grad_hook_that_changes_grad_does_not_change_what_arrived(size):
+    """An optimizer step in backward: the hook scales .grad in place after AccumulateGrad stored it, which is
+    the very tensor that arrived. The leaf's grad is what arrived (a tensor hook's view of it); param_grads
+    is .grad as backward left it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(size, 1)
+
+    def optimizer_step(param):
+        param.grad.mul_(0.001)
+
+    model.weight.register_post_accumulate_grad_hook(optimizer_step)
+    x = torch.randn(2, size)
+    result = trace(model, (x,), loss_fn=lambda out: out.pow(2).sum(), input_grad=False)
+    arrived = []
+    model.weight.register_hook(lambda grad: arrived.append(float(grad.double().norm())))
+    model(x).pow(2).sum().backward()
+    assert result.leaf("weight").grad_norm == pytest.approx(arrived[0], rel=1e-5, abs=0)
+    assert dict(result.param_grads)["weight"].norm == pytest.approx(arrived[0] * 0.001, rel=1e-5, abs=0)
