@@ -285,6 +285,20 @@ def test_torch_compile_region_is_one_node_and_stays_whole():
     torch._dynamo.reset()
 
 
+def test_with_torch_compile_disabled_a_compiled_modules_ops_belong_to_its_submodules(monkeypatch):
+    """TORCH_COMPILE_DISABLE=1 (what the README says to run to see a compiled region's ops): the original
+    module runs eagerly, and its ops are attributed to its own submodules, not all to the wrapper."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = torch.compile(model, backend="aot_eager")
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    result = trace(compiled, torch.randn(3, 4))
+    assert not result.find("CompiledFunctionBackward")
+    assert {n.module for n in result.find("AddmmBackward0")} == {"_orig_mod.0", "_orig_mod.2"}
+    assert [n.module for n in result.find("ReluBackward0")] == ["_orig_mod.1"]
+    torch._dynamo.reset()
+
+
 def test_forward_stats_are_the_norms_of_each_op_output():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

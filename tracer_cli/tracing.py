@@ -230,6 +230,9 @@ class _ModuleTracker:
         import torch.nn as nn
 
         compiled = [name for name, module in self._modules if isinstance(getattr(module, "_orig_mod", None), nn.Module)]
+        holds_compiled = bool(compiled)  # torch warns of global module hooks around a compiled module
+        if compiled and _compile_disabled():  # the compiled modules run their originals, eagerly: hooked as any
+            compiled = []
         self.compiled = bool(compiled)
         hooked = []
         for name, module in self._modules:
@@ -241,7 +244,7 @@ class _ModuleTracker:
             hooked.append((name, module))
         if not hooked:
             return
-        if self.compiled or any(module._forward_pre_hooks or module._forward_hooks for _, module in hooked):
+        if holds_compiled or any(module._forward_pre_hooks or module._forward_hooks for _, module in hooked):
             # hooks of the model's own (FSDP2's, which swap parameters in; a user's whose ops belong to the
             # module call): ours run after them, as hooks registered on the module run in order
             for name, module in hooked:
@@ -323,6 +326,12 @@ class _ModuleTracker:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _compile_disabled() -> bool:
+    """Whether torch.compile is off (``TORCH_COMPILE_DISABLE=1``): a compiled module then runs its original."""
+    config = getattr(sys.modules.get("torch._dynamo"), "config", None)
+    return bool(getattr(config, "disable", False))
 
 
 def _is_descendant(path: str, ancestor: str) -> bool:
