@@ -626,6 +626,6 @@ def test_gradcheck_checks_a_function_that_changes_its_input_in_place():
             return grad * 2
 
     for function, passed in ((Triple, True), (WrongTriple, False)):
-        result = trace(lambda x: function.apply(x * 1.0).sum(), (torch.randn(4),), gradcheck=True)
+        result = trace(lambda x, function=function: function.apply(x * 1.0).sum(), (torch.randn(4),), gradcheck=True)
         (node,) = [n for n in result.nodes if n.gradcheck is not None]
         assert node.gradcheck.error is None and node.gradcheck.passed is passed
