@@ -835,3 +835,18 @@ def test_module_called_twice_attributes_both_uses():
     leaf = result.leaf("fc.weight")
     assert leaf.runs == 1  # one backward: both uses are summed before AccumulateGrad runs
     assert leaf.grad_outputs[0].norm == pytest.approx(float(plain_grads(model, (x,))["fc.weight"].norm()), rel=1e-5)
+
+
+def test_a_loss_fn_that_runs_a_backward_of_its_own_leaves_grad_as_found():
+    """.grad is kept from before forward: a loss_fn's own backward(retain_graph=True) does not stay in it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+
+    def loss_fn(out):
+        loss = out.pow(2).sum()
+        loss.backward(retain_graph=True)
+        return loss
+
+    result = trace(model, (torch.randn(3, 4),), loss_fn=loss_fn)
+    assert model.weight.grad is None and model.bias.grad is None
+    assert result.leaf("weight").grad_norm > 0

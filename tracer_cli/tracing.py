@@ -1716,7 +1716,8 @@ def trace(
     session = _TraceSession(leaves, input_names, tracker)
     training = [(module, module.training) for _, module in modules]
     saved_buffers = _saved_buffers(modules)
-    saved_grads: dict[int, tuple[Any, Any]] = {}
+    # each parameter's .grad as the caller left it, before forward: a loss_fn may run a backward of its own
+    saved_grads: dict[int, tuple[Any, Any]] = {id(leaf.tensor): (leaf.tensor, leaf.tensor.grad) for leaf in leaves.values()}
     # A trace allocates many small objects while the graph holds many more: generational
     # collections would walk them all, again and again (measured: half the trace time).
     gc_was_enabled = gc.isenabled()
@@ -1763,8 +1764,6 @@ def trace(
             )
         del output
         session.discover([loss.grad_fn])
-        for leaf in leaves.values():
-            saved_grads[id(leaf.tensor)] = (leaf.tensor, leaf.tensor.grad)
         for node_id in session.leaf_ids:
             variable = session.nodes[node_id].variable
             if id(variable) not in saved_grads:
