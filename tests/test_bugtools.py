@@ -165,6 +165,8 @@ def test_run_traces_a_nan_loss_again_to_name_where_forward_made_it():
     assert "starts here" not in result.stdout  # backward only carries it on from the loss
     checked = invoke("check", str(SAMPLES_DIR / "nan_forward.py"))
     assert checked.exit_code == 1 and "forward made a nan first at #" in checked.stdout
+    # head's weight gradient is NaN because its input is: one finding, not a second origin in backward
+    assert checked.stdout.count("FAIL  nonfinite") == 1 and "backward sends it on from 1 node that uses it" in checked.stdout
     # a finite loss is traced once
     assert "tracing the step again" not in invoke("run", str(SAMPLES_DIR / "nan_where.py")).stderr
 

@@ -225,6 +225,7 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
     which later node masks it: a latent NaN that parameter gradients alone would never show.
     """
     findings = []
+    made = None
     if trace.meta.loss is not None and not math.isfinite(trace.meta.loss):
         kind = "nan" if math.isnan(trace.meta.loss) else "inf"
         made = trace.forward_nonfinite_origin()
@@ -250,13 +251,27 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
     bad = trace.nonfinite_nodes()
     bad_ids = {node.id for node in bad}
     covered: set[int] = set()
+    carried = 0  # origins in backward that only carry on forward's value (a weight's gradient from a NaN input)
     for node in trace.nonfinite_origins() + bad:  # nodes reached from no origin (their input came from nowhere visible) count as origins
         if node.id in covered:
             continue
         reached = _reach(trace, node.id, bad_ids)
         covered |= reached
+        if made is not None and _uses_nonfinite_forward(trace, node):
+            carried += 1
+            continue
         findings.append(_nonfinite_finding(trace, node, reached))
+    if carried:
+        first = findings[0]
+        nodes = "1 node that uses it" if carried == 1 else f"{carried} nodes that use it"
+        findings[0] = replace(first, detail=f"{first.detail}; backward sends it on from {nodes}")
     return findings
+
+
+def _uses_nonfinite_forward(trace: Trace, node: Node) -> bool:
+    """Whether the node's op had a non-finite input or output in forward (its backward multiplies by it)."""
+    values = [trace.nodes[child].forward for child in node.next if child is not None] + [node.forward]
+    return any(value is not None and value.finite is False for value in values)
 
 
 def _reach(trace: Trace, start: int, within: set[int]) -> set[int]:
