@@ -610,6 +610,7 @@ class _Stats:
         self._wide = {torch.float64, torch.complex64, torch.complex128}  # normed in their own dtype
         self._dot, self._dot_dtypes = torch.dot, {torch.float32, torch.float64}
         self._float64, self._double = torch.float64, {torch.float64, torch.complex128}  # norms in float64
+        self._narrow = {torch.float32, torch.bfloat16, torch.float16}  # squares in range in float64
         # result dtype -> (least square, least norm) read as exact
         self._tiny = {torch.float32: (TINY_SQUARE, TINY_NORM), torch.float64: (TINY_SQUARE_64, TINY_NORM_64)}
         self._buffers: dict[tuple, list[Any]] = {}  # (device, dtype) -> [values, first position, used]
@@ -684,9 +685,13 @@ class _Stats:
         return self._scaled_norms(self._elements(tensor).reshape(1, -1))[0]
 
     def _scaled_norms(self, rows: Any) -> Any:
-        """The norm of each row, in float64, of elements scaled by the row's largest: exact where a sum of
-        squares underflows or overflows. A row with an infinity or a NaN keeps it (its largest)."""
+        """The norm of each row in float64, exact where a sum of squares in the rows' dtype underflows or
+        overflows: float32, bf16 and fp16 rows are normed in float64, which holds their squares; float64
+        and complex rows are scaled by each row's largest element first. A row with an infinity or a NaN
+        keeps it."""
         torch = self._torch
+        if rows.dtype in self._narrow:  # float64 holds their squares: one pass, no scaled copy
+            return self._vector_norm(rows, dim=-1, dtype=self._float64)
         largest = self._vector_norm(rows, ord=math.inf, dim=-1, keepdim=True)  # exact in any dtype
         if not largest.any():  # all zeros (a dead branch): no scaled copy to make
             return largest.to(self._float64).reshape(rows.shape[:-1])
