@@ -358,7 +358,11 @@ def check_model(
     torch.manual_seed(seed)
     model = build()
     args, kwargs = make_inputs()
-    reference_model = copy.deepcopy(model)
+    try:
+        reference_model = copy.deepcopy(model)
+    except RuntimeError:  # old-style weight_norm keeps a computed weight, which deepcopy refuses: built again alike
+        torch.manual_seed(seed)
+        reference_model = build()
     if trace_train is not None:
         reference_model.train(trace_train)
 
@@ -813,6 +817,17 @@ class Parametrized(nn.Module):
         return checkpoint(self._outer, h, use_reentrant=True)
 
 
+def old_style_norms() -> nn.Module:
+    """torch.nn.utils.weight_norm / spectral_norm: the weight is computed in a forward pre-hook of the
+    Linear, so its nodes belong to that Linear's call."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # weight_norm is deprecated in favour of parametrizations
+        wn = nn.utils.weight_norm(nn.Linear(6, 6))
+    return nn.Sequential(wn, nn.Tanh(), nn.utils.spectral_norm(nn.Linear(6, 2)))
+
+
 class PackedBiLSTM(nn.Module):
     """A bidirectional LSTM over a PackedSequence of unsorted lengths."""
 
@@ -911,6 +926,7 @@ ARCHITECTURES = {
     "parametrized_hooked_nested_checkpoint": dict(
         build=Parametrized, make_inputs=lambda: ((torch.randn(3, 4),), {})
     ),
+    "old_style_weight_and_spectral_norm": dict(build=old_style_norms, make_inputs=lambda: ((torch.randn(3, 6),), {})),
 }
 
 

@@ -248,7 +248,11 @@ class _ModuleTracker:
             # hooks of the model's own (FSDP2's, which swap parameters in; a user's whose ops belong to the
             # module call): ours run after them, as hooks registered on the module run in order
             for name, module in hooked:
-                self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, name)))
+                # the boundary before the module's own pre-hooks (weight_norm's ops belong to the module), the
+                # parameters it holds after them (FSDP2's unsharded ones, swapped in by its pre-hook)
+                enter = functools.partial(self._enter, name, hold=False)
+                self._handles.append(module.register_forward_pre_hook(enter, prepend=True))
+                self._handles.append(module.register_forward_pre_hook(functools.partial(self._hold, name)))
                 self._handles.append(
                     module.register_forward_hook(functools.partial(self._exit, name), always_call=True)
                 )
@@ -275,7 +279,7 @@ class _ModuleTracker:
 
     # _enter and _exit run on every module call: _mark() inlined, and _stack() in _enter (a Python call
     # each costs, more so while creation sites are traced)
-    def _enter(self, name: str, module: Any, args: Any) -> None:
+    def _enter(self, name: str, module: Any, args: Any, hold: bool = True) -> None:
         local = self._local
         stack = getattr(local, "stack", None)
         if stack is None:
@@ -284,12 +288,17 @@ class _ModuleTracker:
         if threading.get_ident() == self._record_thread:
             self.bound_seqs.append(self._next_sequence_nr())
             self.bound_modules.append(name)
-            params = module._parameters if module is not None else None
-            if params:
-                leaves = self._leaves
-                for param_name, param in params.items():
-                    if param is not None and id(param) not in leaves and id(param) not in self.held:
-                        self.held[id(param)] = _Leaf(f"{name}.{param_name}" if name else param_name, param, name)
+            if hold:
+                self._hold(name, module, args)
+
+    def _hold(self, name: str, module: Any, args: Any) -> None:
+        """Name the parameters the module holds that are not the model's own (FSDP2's unsharded ones)."""
+        params = module._parameters if module is not None else None
+        if params and threading.get_ident() == self._record_thread:
+            leaves = self._leaves
+            for param_name, param in params.items():
+                if param is not None and id(param) not in leaves and id(param) not in self.held:
+                    self.held[id(param)] = _Leaf(f"{name}.{param_name}" if name else param_name, param, name)
 
     def _exit(self, name: str, module: Any, args: Any, output: Any) -> None:
         stack = self._stack()
