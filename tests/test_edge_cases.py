@@ -850,3 +850,27 @@ def test_a_loss_fn_that_runs_a_backward_of_its_own_leaves_grad_as_found():
     result = trace(model, (torch.randn(3, 4),), loss_fn=loss_fn)
     assert model.weight.grad is None and model.bias.grad is None
     assert result.leaf("weight").grad_norm > 0
+
+
+def test_a_packed_sequence_input_is_one_argument_and_its_data_an_input_leaf():
+    """example_inputs() returning a PackedSequence (a namedtuple): one argument, not four; its data gets
+    requires_grad and a name, and its gradient matches a plain backward."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    from tracer_cli.loading import split_inputs
+
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 3)
+    packed = pack_padded_sequence(torch.randn(5, 3, 4), torch.tensor([5, 3, 2]))
+    args, kwargs = split_inputs(packed, "example_inputs()")
+    assert len(args) == 1 and args[0] is packed and kwargs == {}
+
+    def model(sequence):
+        return lstm(sequence)[0].data
+
+    result = trace(model, args, kwargs)
+    data = packed.data.detach().requires_grad_()
+    model(packed._replace(data=data)).sum().backward()
+    leaf = result.leaf("input:0.data")
+    assert leaf.grad_norm == pytest.approx(float(data.grad.norm()), rel=1e-5)
+    assert [info.name for info in result.meta.inputs] == ["input:0.data", "input:0.batch_sizes"]

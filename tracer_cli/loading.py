@@ -57,10 +57,11 @@ class LoadedTarget:
 
 
 def split_inputs(value: Any, source: str) -> tuple[tuple, dict]:
-    """A Tensor is one argument, a tuple/list is positional arguments, a dict is keyword arguments."""
+    """A Tensor is one argument, a tuple/list is positional arguments, a dict is keyword arguments. A
+    namedtuple (a PackedSequence) is one argument, not its fields."""
     import torch
 
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) or (isinstance(value, tuple) and hasattr(value, "_fields")):
         return (value,), {}
     if isinstance(value, (tuple, list)):
         return tuple(value), {}

@@ -175,6 +175,8 @@ def _prepare_inputs(args: tuple, kwargs: dict, input_grad: bool) -> tuple[tuple,
             names[id(value)] = name
             infos.append(InputInfo(name, tuple(value.shape), _dtype_name(value.dtype)))
             return value
+        if isinstance(value, tuple) and hasattr(value, "_fields") and hasattr(value, "_make"):  # a PackedSequence
+            return value._make(prepare(item, f"{name}.{field}") for field, item in zip(value._fields, value))
         if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
             return type(value)(prepare(item, f"{name}.{i}") for i, item in enumerate(value))
         if isinstance(value, dict):
