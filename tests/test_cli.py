@@ -510,7 +510,8 @@ def test_bounded_output_and_all(runner, tmp_path):
     "change",
     [
         "x.mul_(2.0)",  # in place on the input (normalising pixels in place, say)
-        "x = x * 2.0; x.requires_grad = True",  # what transformers' Wav2Vec2 does to its features
+        # (`x = x * 2.0; x.requires_grad = True`, what Wav2Vec2 does, is traced again without input
+        # gradients: see test_a_model_that_sets_requires_grad_on_its_inputs_work_...)
     ],
 )
 def test_model_that_changes_its_input_is_pointed_to_no_input_grad(runner, tmp_path, change):
@@ -825,3 +826,36 @@ def test_usage_errors_say_what_is_wrong(runner, monkeypatch, args, fragment):
     result = invoke(runner, *args)
     assert result.exit_code == 2 and fragment in result.stderr, result.stderr
     assert not (ROOT / "-").exists()
+
+
+def test_a_model_that_sets_requires_grad_on_its_inputs_work_is_traced_without_input_gradients(runner, tmp_path):
+    """Hugging Face's Wav2Vec2 sets ``hidden_states.requires_grad = True`` in train mode, which torch refuses
+    on a tensor made from inputs that require grad: the step is traced again without input gradients."""
+    model = write_model(
+        tmp_path,
+        """
+        import torch
+        from torch import nn
+
+        class SetsRequiresGrad(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 1)
+
+            def forward(self, x):
+                hidden = x * 2.0
+                hidden.requires_grad = True
+                return self.fc(hidden)
+
+        model = SetsRequiresGrad()
+
+        def example_inputs():
+            return torch.randn(3, 4)
+        """,
+    )
+    result = invoke(runner, "run", str(model), "--json", str(tmp_path / "out.json"))
+    assert result.exit_code == 0, result.output
+    assert "traced again without gradients for the inputs (--no-input-grad)" in result.stderr
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert not [n for n in document["nodes"] if (n["param"] or "").startswith("input:")]
+    assert {n["param"] for n in document["nodes"] if n["param"]} == {"fc.weight", "fc.bias"}

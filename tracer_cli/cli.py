@@ -665,14 +665,28 @@ def _trace(
             sources=options.sources,
             stacks=options.stack,
         )
-        # forward values let ranks, or two JSON files (gradtrace diff), be compared
-        forward_stats = world_size > 1 or options.json_path is not None
-        if forward_stats:
-            return step(forward_stats=True)
         import torch
 
-        with torch.random.fork_rng(devices=[torch.device(device).index or 0] if device.startswith("cuda") else []):
-            result = step(forward_stats=False)
+        from .errors import UserCodeError
+
+        devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
+        # forward values let ranks, or two JSON files (gradtrace diff), be compared
+        forward_stats = world_size > 1 or options.json_path is not None
+        try:
+            with torch.random.fork_rng(devices=devices):  # a step traced again starts from the same random state
+                result = step(forward_stats=forward_stats)
+        except UserCodeError as error:
+            if world_size > 1 or not options.input_grad or not _refuses_input_grad(error):
+                raise
+            (note or _note)(
+                "the model sets requires_grad on a tensor it makes from its inputs, which torch refuses while the "
+                "inputs require grad: traced again without gradients for the inputs (--no-input-grad)"
+            )
+            step = functools.partial(step, input_grad=False)
+            with torch.random.fork_rng(devices=devices):
+                result = step(forward_stats=forward_stats)
+        if forward_stats:
+            return result
         loss = result.meta.loss
         if loss is None or math.isfinite(loss):
             return result
@@ -689,6 +703,13 @@ def _trace(
             "the first step)"
         )
         return result
+
+
+def _refuses_input_grad(error: BaseException) -> bool:
+    """Whether the model's own ``tensor.requires_grad = True`` failed because its inputs require grad (Hugging
+    Face's Wav2Vec2 does it to hidden states made from its input, in train mode)."""
+    cause = error.__cause__
+    return isinstance(cause, RuntimeError) and "requires_grad flags of leaf variables" in str(cause)
 
 
 def _note(message: str) -> None:
