@@ -305,7 +305,7 @@ def _nonfinite_finding(trace: Trace, origin: Node, reached: set[int]) -> Finding
             for n in nodes
             if not n.is_leaf and not any(side == "in" and stat.nonfinite_kind for side, _, stat in n.stats())
         ]
-        by = f" by #{maskers[0].id} {maskers[0].name}" if maskers and maskers[0].id != origin.id else " further on"
+        by = f" by #{maskers[0].id} {maskers[0].name.rpartition('::')[2]}" if maskers and maskers[0].id != origin.id else " further on"
         detail += f"; masked{by}, so no parameter gradient shows it (a latent {kind})"
     return Finding(
         "nonfinite",

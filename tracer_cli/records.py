@@ -282,12 +282,13 @@ class Node(NamedTuple):
         return joint_norm(s.norm for s in stats)
 
     def label(self) -> str:
-        """``name`` with the parameter or module, for messages."""
+        """``name`` with the parameter or module, for messages (``torch::autograd::`` left out)."""
+        name = self.name.rpartition("::")[2]
         if self.param is not None:
-            return f"{self.name} ({self.param})"
+            return f"{name} ({self.param})"
         if self.module is not None:
-            return f"{self.name} in {self.module or '<root>'}"
-        return self.name
+            return f"{name} in {self.module or '<root>'}"
+        return name
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
