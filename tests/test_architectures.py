@@ -823,7 +823,7 @@ def old_style_norms() -> nn.Module:
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # weight_norm is deprecated in favour of parametrizations
+        warnings.filterwarnings("ignore", ".*weight_norm`? is deprecated")  # for parametrizations (torch 2.1: a UserWarning)
         wn = nn.utils.weight_norm(nn.Linear(6, 6))
     return nn.Sequential(wn, nn.Tanh(), nn.utils.spectral_norm(nn.Linear(6, 2)))
 
