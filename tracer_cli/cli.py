@@ -697,8 +697,9 @@ def _trace(
         if again.meta.loss is not None and not math.isfinite(again.meta.loss):
             return again
         # forward did not repeat itself (state it keeps, another random generator): the first step's findings stand
+        value = "unknown" if again.meta.loss is None else f"{again.meta.loss:.6g}"
         (note or _note)(
-            f"traced again, the loss was {again.meta.loss:.6g}: this model's forward does not repeat itself, so where it "
+            f"traced again, the loss was {value}: this model's forward does not repeat itself, so where it "
             "made the first loss's non-finite value is not known (gradtrace run --json records forward values in "
             "the first step)"
         )
