@@ -231,9 +231,7 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
         made = trace.forward_nonfinite_origin()
         root = made or (trace.nodes[0] if trace.nodes else None)
         if made is not None:
-            name = made.name.rpartition("::")[2]  # AccumulateGrad, as the table shows it
-            where = f" ({made.param})" if made.param is not None else f" in {made.module or '<root>'}" if made.module is not None else ""
-            message = f"the loss is {kind}: forward made a {made.forward.nonfinite_kind} first at #{made.id} {name}{where}"
+            message = f"the loss is {kind}: forward made a {made.forward.nonfinite_kind} first at #{made.id} {made.label()}"
         else:
             message = f"the loss is {kind}: the forward pass already produced it (forward values tell where: --json, or trace(forward_stats=True))"
         findings.append(
@@ -372,13 +370,14 @@ def _growth_findings(trace: Trace, limit: float) -> list[Finding]:
     def within(norms: list[float]) -> bool:
         return all(math.isfinite(norm) and norm <= limit for norm in norms)
 
+    executed = trace.executed()
     sent_to: dict[int, list[float]] = {}  # node id -> the norm of each gradient another node sent it
-    for node in trace.executed():
+    for node in executed:
         for child, stat in zip(node.next, node.grad_inputs or ()):
             if child is not None and stat is not None and stat.norm is not None:
                 sent_to.setdefault(child, []).append(stat.norm)
     found = []
-    for node in trace.executed():
+    for node in executed:
         received = [stat.norm for side, _, stat in node.stats() if side == "out" and stat.norm is not None]
         sent = [stat.norm for side, _, stat in node.stats() if side == "in" and stat.norm is not None and math.isfinite(stat.norm)]
         parts = sent_to.get(node.id, [])

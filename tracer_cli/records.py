@@ -494,8 +494,10 @@ class Trace:
         else the earliest-created op whose output does, of those the value reached the loss through (a NaN
         that ``torch.where`` masks is not it). Followed from the loss through outputs that are not finite,
         or not recorded (ops made inside an op, custom Functions). Known only where forward values were
-        recorded (``forward_stats=True``; ``gradtrace run`` records them when the loss is not finite)."""
-        if not self.nodes:
+        recorded (``forward_stats=True``; ``gradtrace run`` records them when the loss is not finite). None
+        for a finite loss."""
+        loss = self.meta.loss
+        if not self.nodes or loss is None or math.isfinite(loss):
             return None
         reached, seen, stack = [], {0}, [0]
         while stack:

@@ -999,7 +999,10 @@ class _TraceSession:
                     children.append(child_id)
                 add_next(tuple(children))
                 if type(node) is leaf_type:
-                    add_handle(node.register_prehook(partial(self._on_leaf_arrival, node_id)))
+                    # before it runs: what arrived, before it lands in .grad, where a post-accumulate-grad hook
+                    # (an optimizer step in backward) may change this very tensor in place. A pre-hook gets
+                    # grad_outputs alone; AccumulateGrad sends nothing on, its grad_inputs are ()
+                    add_handle(node.register_prehook(partial(self._on_run_now, node_id, ())))
                     self.leaf_ids.append(node_id)
                 elif isinstance(node, custom_type):
                     add_handle(node.register_prehook(partial(self._on_custom_start, node_id)))
@@ -1107,12 +1110,6 @@ class _TraceSession:
         except Exception:
             self.errors.append(traceback.format_exc())
         return (self._on_run_now if self.replay else self._run_hook)(node_id, grad_inputs, grad_outputs)
-
-    def _on_leaf_arrival(self, node_id: int, grad_outputs: tuple) -> None:
-        """AccumulateGrad is about to run (a pre-hook): what arrived, before it lands in ``.grad``, where a
-        post-accumulate-grad hook may change it, and so this very tensor, in place (an optimizer step in
-        backward). AccumulateGrad sends nothing on: its grad_inputs are ``()``."""
-        return self._on_run_now(node_id, (), grad_outputs)
 
     def _on_run_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
         """AccumulateGrad (its ``.grad`` may be this very tensor, accumulated into later), or any node with

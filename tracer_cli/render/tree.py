@@ -78,8 +78,7 @@ class _Styler:
         self.show_stack = False
         origin = trace.nonfinite_origin()
         self.origin = None if origin is None else origin.id
-        loss = trace.meta.loss
-        made = trace.forward_nonfinite_origin() if loss is not None and not math.isfinite(loss) else None
+        made = trace.forward_nonfinite_origin()
         self.forward_origin = None if made is None else made.id
         if made is not None:  # what backward carries on from a non-finite loss starts at the loss, not there
             self.origin = None
@@ -477,7 +476,7 @@ def render_summary(trace: Trace) -> Table:
     table.add_row("loss", loss)
     nonfinite = trace.nonfinite_nodes()
     origin = trace.nonfinite_origin()
-    made = trace.forward_nonfinite_origin() if meta.loss is not None and not math.isfinite(meta.loss) else None
+    made = trace.forward_nonfinite_origin()
     if made is not None:  # backward only carries it on from the loss: say where forward made it
         text = Text(f"{len(nonfinite)} nodes; the loss is {format_norm(meta.loss)}: forward made it first at ", style=_NONFINITE)
         text.append(f"#{made.id} {short_name(made.name)} {_where(made)} ({made.forward.nonfinite_kind})", style=_NONFINITE)
