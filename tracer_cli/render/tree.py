@@ -462,7 +462,7 @@ def render_tree(trace: Trace, options: TreeOptions | None = None) -> tuple[Tree,
 
 
 def render_summary(trace: Trace) -> Table:
-    """The summary block: counts, loss, non-finite nodes, extremes, parameters without gradient, times."""
+    """The summary block: counts, loss, inputs, non-finite nodes, extremes, parameters without gradient, times."""
     summary = trace.summary()
     meta = trace.meta
     table = Table.grid(padding=(0, 2))
@@ -474,6 +474,9 @@ def render_summary(trace: Trace) -> Table:
         loss.stylize(_NONFINITE)
     loss.append(f"  ({meta.loss_rule})", style="dim")
     table.add_row("loss", loss)
+    if meta.inputs:  # the tensors forward was called with, in the -i grammar: what -i or example_inputs() gave
+        specs = [f"{i.name} {i.dtype}[{','.join(map(str, i.shape))}]" for i in meta.inputs]
+        table.add_row("inputs", ", ".join(specs[:6]) + (f" and {len(specs) - 6} more" if len(specs) > 6 else ""))
     nonfinite = trace.nonfinite_nodes()
     origin = trace.nonfinite_origin()
     made = trace.forward_nonfinite_origin()
