@@ -859,3 +859,23 @@ def test_a_model_that_sets_requires_grad_on_its_inputs_work_is_traced_without_in
     document = json.loads((tmp_path / "out.json").read_text())
     assert not [n for n in document["nodes"] if (n["param"] or "").startswith("input:")]
     assert {n["param"] for n in document["nodes"] if n["param"]} == {"fc.weight", "fc.bias"}
+
+
+def test_an_input_seed_changes_the_inputs_but_not_the_model(tmp_path):
+    """--rank-seed gives each rank its own data and the same model, as data parallelism has it."""
+    from tracer_cli.loading import prepare_run
+
+    path = tmp_path / "seeded.py"
+    path.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "def build_model():\n"
+        "    return nn.Linear(4, 4)\n"
+        "def example_inputs():\n"
+        "    return torch.randn(2, 4)\n"
+    )
+    base = prepare_run(str(path), seed=0)
+    offset = prepare_run(str(path), seed=0, input_seed=1)
+    assert torch.equal(base.loaded.model.weight, offset.loaded.model.weight)
+    assert not torch.equal(base.args[0], offset.args[0])
+    assert torch.equal(offset.args[0], prepare_run(str(path), seed=1).args[0])

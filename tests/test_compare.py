@@ -96,6 +96,23 @@ def test_structure_origin_is_the_first_node_that_does_not_align():
     assert "graphs differ" in comparison["note"]
 
 
+def test_a_structure_origin_is_marked_only_in_the_tree_of_the_rank_whose_node_it_is():
+    """The graphs differ, so its id on the other rank is another node (there: SigmoidBackward0's neighbour)."""
+    from tracer_cli.render.comparison import divergence_marks
+
+    a, b = traced(), traced(extra_op=True)
+    comparison = compare([a, b], labels=[0, 1])
+    first = comparison["first_divergent"]
+    assert first["rank"] == 1 and b.nodes[first["id"]].name == "ExpBackward0"
+    assert a.nodes[first["id"]].name != "ExpBackward0"  # the same id names another node of rank 0
+    assert first["id"] in divergence_marks(comparison, 1)
+    assert first["id"] not in divergence_marks(comparison, 0)
+    assert "of rank 1's graph" in _comparison_text(comparison)
+    # forward and backward origins: the graphs align, the id is the same node on every rank
+    forward = compare([traced(), traced(forward_factor=1.01)], labels=[0, 1])
+    assert forward["first_divergent"]["id"] in divergence_marks(forward, 0)
+
+
 def test_majority_names_the_odd_rank_out():
     traces = [traced(), traced(backward_factor=3.0), traced()]
     first = compare(traces, labels=[0, 1, 2])["first_divergent"]
@@ -112,6 +129,19 @@ def test_inputs_differ_compares_only_parameter_gradients():
     assert "rank-seed" in comparison["note"]
     assert "head.bias" not in comparison["unsynchronized_params"]  # d(sum)/d(bias) does not depend on x
     assert "head.weight" in comparison["unsynchronized_params"]
+
+
+def test_inputs_differ_still_compares_the_parameters():
+    """Under --rank-seed the data differs by rank, the parameters must not (data parallelism keeps them equal)."""
+    torch.manual_seed(0)
+    model = Net()
+    a = trace(model, X, forward_stats=True)
+    with torch.no_grad():
+        model.second.weight[0, 0] += 0.1  # one rank's copy of the weights went its own way
+    b = trace(model, X * 2, forward_stats=True)
+    first = compare([a, b], labels=[0, 1], inputs_differ=True)["first_divergent"]
+    assert first is not None and first["kind"] == "forward"
+    assert first["param"] == "second.weight" and first["ranks"] == [1]
 
 
 @pytest.mark.parametrize(

@@ -230,7 +230,7 @@ _RANKS = typer.Option(
     "all", "--ranks", metavar="RANKS", help="Under torchrun: whose trees to print, e.g. 0,2 or all."
 )
 _RANK_SEED = typer.Option(
-    False, "--rank-seed/--no-rank-seed", help="Under torchrun: offset the seed by the rank (different data per rank)."
+    False, "--rank-seed/--no-rank-seed", help="Under torchrun: offset the seed of the inputs by the rank (different data per rank, the same model)."
 )
 _RTOL = typer.Option(1e-5, "--rtol", min=0.0, help="Relative tolerance when comparing ranks.")
 _TIMEOUT = typer.Option(
@@ -634,18 +634,25 @@ def _trace(
     *,
     seed: int,
     device: str,
+    input_seed: int | None = None,
     rank: int = 0,
     world_size: int = 1,
     note: Callable[[str], None] | None = None,
 ) -> Any:
     """Load one target, make its inputs and trace it: the library calls behind ``run`` and ``check``.
-    ``note`` says what takes longer than usual (on stderr, by default)."""
+    ``input_seed`` (``--rank-seed``) seeds the inputs and what forward draws, where it differs from the
+    model's seed. ``note`` says what takes longer than usual (on stderr, by default)."""
     from .loading import prepare_run
     from .tracing import trace
 
     with _user_output_to_stderr(options.json_path == "-"), _process_state_kept():
         prepared = prepare_run(
-            target, input_specs=options.input_specs, inputs_file=options.inputs_file, seed=seed, device=device
+            target,
+            input_specs=options.input_specs,
+            inputs_file=options.inputs_file,
+            seed=seed,
+            input_seed=input_seed,
+            device=device,
         )
         step = functools.partial(
             trace,
@@ -657,7 +664,7 @@ def _trace(
             input_grad=options.input_grad,
             train=False if options.eval_mode else None,
             target=target,
-            seed=seed,
+            seed=seed if input_seed is None else input_seed,
             rank=rank,
             world_size=world_size,
             replay=options.replay,
@@ -960,12 +967,16 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
     group = ProcessGroup(info, timeout_s=options.timeout)
     try:
         device = group.start(options.device)
-        seed = options.seed + info.rank if options.rank_seed else options.seed
+        # --rank-seed: each rank's own data (inputs, dropout), the same model on every rank
+        input_seed = options.seed + info.rank if options.rank_seed else None
         console = _log_console() if options.command == "check" else None
         code: int = ExitCode.OK
         reports = []
         for target in options.targets:
-            result = _trace(options, target, seed=seed, device=device, rank=info.rank, world_size=info.world_size)
+            result = _trace(
+                options, target, seed=options.seed, input_seed=input_seed, device=device, rank=info.rank,
+                world_size=info.world_size,
+            )
             documents = group.gather(result.to_dict())
             if info.rank != 0:
                 continue
@@ -1031,8 +1042,8 @@ def _rank_lines(options: _Options, console: Any, traces: list[Any], comparison: 
 
     lines = []
     if options.show_tree:
-        tree_options = replace(options.tree, marks=divergence_marks(comparison))
         for rank in _selected_ranks(options.ranks, len(traces)):
+            tree_options = replace(options.tree, marks=divergence_marks(comparison, rank))
             lines += prefixed_lines(console, render_trace(traces[rank], tree_options), f"[rank{rank}] ")
     return lines + prefixed_lines(console, render_comparison(comparison), "[rank0] ")
 

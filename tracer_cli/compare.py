@@ -80,10 +80,12 @@ def _creation_sequence(trace: Trace) -> list[Node]:
     return leaves + made
 
 
-def _describe(node: Node, kind: str, ranks: list[int]) -> dict[str, Any]:
+def _describe(node: Node, kind: str, ranks: list[int], rank: int) -> dict[str, Any]:
+    """The origin, ``node`` of ``rank``'s trace (the graphs align but for a structure divergence, so its id
+    names the same node on every rank but then)."""
     return {
         "id": node.id, "name": node.name, "module": node.module, "param": node.param, "kind": kind, "ranks": ranks,
-        "source": node.source,
+        "source": node.source, "rank": rank,
     }
 
 
@@ -97,12 +99,12 @@ def _structure_origin(traces: Sequence[Trace], labels: list[int]) -> dict[str, A
         reference = Counter(keys).most_common(1)[0][0] if len(traces) > 2 else keys[0]
         differing = [i for i, key in enumerate(keys) if key != reference]
         culprit = next((i for i in differing if position < len(sequences[i])), 0)
-        return _describe(sequences[culprit][position], "structure", [labels[i] for i in differing])
+        return _describe(sequences[culprit][position], "structure", [labels[i] for i in differing], labels[culprit])
     # same nodes in the same creation order: the edges (or ids) may still differ
     for position in range(longest):
         nodes = [s[position] for s in sequences]
         if len({(n.id, *_signature(n)) for n in nodes}) > 1:
-            return _describe(nodes[-1], "structure", [labels[i] for i in range(1, len(nodes))])
+            return _describe(nodes[-1], "structure", [labels[i] for i in range(1, len(nodes))], labels[-1])
     return None
 
 
@@ -131,7 +133,22 @@ def _forward_origin(traces: Sequence[Trace], labels: list[int], rtol: float, ato
     for node in _creation_sequence(reference):
         if differs[node.id] and inputs_agree(node.id):
             ranks = _differing_ranks([t.nodes[node.id].forward.norm for t in traces], labels, rtol, atol)
-            return _describe(node, "forward", ranks)
+            return _describe(node, "forward", ranks, labels[0])
+    return None
+
+
+def _parameter_origin(traces: Sequence[Trace], labels: list[int], rtol: float, atol: float) -> dict[str, Any] | None:
+    """The first parameter (by name) whose value differs across ranks: what data parallelism must keep equal
+    whatever the data (inputs, ``input:...``, are not parameters)."""
+    reference = traces[0]
+    for node in _creation_sequence(reference):
+        if node.created is not None:
+            break  # leaves come first
+        if node.param is None or node.param.startswith("input:"):
+            continue
+        values = [t.nodes[node.id].forward for t in traces]
+        if all(v is not None for v in values) and values_differ([v.norm for v in values], rtol, atol):
+            return _describe(node, "forward", _differing_ranks([v.norm for v in values], labels, rtol, atol), labels[0])
     return None
 
 
@@ -147,7 +164,7 @@ def _backward_origin(traces: Sequence[Trace], labels: list[int], rtol: float, at
         if _slots_differ(nodes, "grad_inputs", rtol, atol):
             columns = list(zip(*[_slots(n.grad_inputs) for n in nodes]))
             ranks = sorted({r for column in columns for r in _differing_ranks(list(column), labels, rtol, atol)})
-            return _describe(node, "backward", ranks)
+            return _describe(node, "backward", ranks, labels[0])
     return None
 
 
@@ -181,8 +198,8 @@ def compare(
         rtol: relative tolerance on norms.
         atol: absolute floor on norms.
         inputs_differ: the inputs legitimately differ (``--rank-seed``): node values
-            are not compared, only the parameter gradients after backward, which
-            must agree under data parallelism.
+            are not compared, only the parameters and their gradients after backward,
+            which must agree under data parallelism.
         labels: how to name each trace in ``ranks`` lists (default: ``meta.rank``, or the
             position in ``traces`` when those are not distinct, as for separate runs).
 
@@ -220,8 +237,9 @@ def compare(
         if inputs_differ:
             note = (
                 "inputs differ by rank (--rank-seed): local gradients legitimately differ, so node values are "
-                "not compared; parameter gradients after backward must still agree"
+                "not compared; the parameters, and their gradients after backward, must still agree"
             )
+            first = _parameter_origin(traces, labels, rtol, atol)
         else:
             first = _forward_origin(traces, labels, rtol, atol) or _backward_origin(traces, labels, rtol, atol)
     return {

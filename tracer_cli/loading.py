@@ -364,13 +364,15 @@ def prepare_run(
     input_specs: list[str] | None = None,
     inputs_file: str | None = None,
     seed: int = 0,
+    input_seed: int | None = None,
     device: str = "cpu",
 ) -> PreparedRun:
     """Seed, load the target, move it to the device and build its inputs.
 
     Inputs come from ``--input`` specs, else ``--inputs FILE``, else the file's
     ``example_inputs()``. The seed is set before the model is built and again
-    before the inputs are, so inputs do not depend on how the model was built.
+    before the inputs are, so inputs do not depend on how the model was built;
+    ``input_seed`` (``--rank-seed``: the seed plus the rank), if given, is the second.
 
     Raises:
         UsageError: bad device, spec or inputs file; no inputs anywhere.
@@ -391,7 +393,7 @@ def prepare_run(
     loaded = load_target(target)
     with _no_data_is_a_model_error("the model"):
         move_model(loaded.model, torch_device)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed if input_seed is None else input_seed)
     if input_specs:
         args, kwargs = build_inputs(input_specs, device=torch_device)
     elif inputs_file:

@@ -14,8 +14,11 @@ from ..records import decode_float
 from .tree import format_norm, short_name
 
 
-def divergence_marks(comparison: dict[str, Any]) -> dict[int, str]:
-    """Node id → marker for the tree: the origin, and every node whose values differ across ranks."""
+def divergence_marks(comparison: dict[str, Any], rank: int | None = None) -> dict[int, str]:
+    """Node id → marker for ``rank``'s tree: the origin, and every node whose values differ across ranks.
+
+    A structure divergence's node id is that of one rank's graph (``first_divergent["rank"]``): the ranks'
+    graphs differ, so the same id on another rank is another node, which is not marked."""
     rtol = comparison.get("rtol", 0.0)
     marks: dict[int, str] = {}
     for entry in comparison.get("nodes", ()):
@@ -23,7 +26,7 @@ def divergence_marks(comparison: dict[str, Any]) -> dict[int, str]:
         if any(s is not None and (math.isnan(s) or s > rtol) for s in spreads):
             marks[entry["id"]] = "≠ differs across ranks"
     first = comparison.get("first_divergent")
-    if first is not None:
+    if first is not None and (first["kind"] != "structure" or rank is None or first.get("rank", rank) == rank):
         marks[first["id"]] = f"≠ origin of the divergence ({first['kind']})"
     return marks
 
@@ -51,7 +54,10 @@ def render_comparison(comparison: dict[str, Any]) -> RenderableType:
         where = first["param"] or (f"in {first['module'] or '<root>'}" if first["module"] is not None else "outside any module")
         text = Text("first divergence: ", style="bold red")
         text.append(f"{first['kind']} at #{first['id']} {short_name(first['name'])} {where}", style="bold red")
-        text.append(f"  ({who_differs(first['ranks'])})", style="red")
+        text.append(f"  ({who_differs(first['ranks'])}", style="red")
+        if first["kind"] == "structure" and first.get("rank") is not None:
+            text.append(f"; #{first['id']} of rank {first['rank']}'s graph", style="red")
+        text.append(")", style="red")
         parts.append(text)
         parts.append(Text(_KIND_HELP[first["kind"]], style="dim"))
     if unsynchronized:  # not averaged across ranks (no DDP), or what the origin above led to
@@ -69,7 +75,8 @@ def _format_loss(loss: float | None) -> str:
 
 _KIND_HELP = {
     "structure": "the ranks built different graphs; this is the first node, in creation order, that does not align",
-    "forward": "this node's forward value differs across ranks while the values of its inputs agree",
+    "forward": "this node's forward value differs across ranks while its inputs' agree (values are compared by "
+    "their norms)",
     "backward": "this node received the same gradients on every rank but sent on different ones",
 }
 
