@@ -137,6 +137,10 @@ def test_json_file_and_tree(runner, tmp_path):
     document = strict_json(out.read_text())
     assert document["meta"]["inputs"][0]["name"] == "input:0"
     assert document["summary"]["nodes"] == len(document["nodes"])
+    # forward values are recorded with --json: a node made inside an op (the Linear's TBackward0) has null
+    assert all("forward" in node for node in document["nodes"])
+    inside = [n["forward"] for n in document["nodes"] if n["name"] == "TBackward0"]
+    assert inside and inside == [None] * len(inside)
 
 
 def test_input_specs_override_example_inputs(runner, tmp_path):
@@ -506,36 +510,6 @@ def test_bounded_output_and_all(runner, tmp_path):
     assert max(widths) <= 8
 
 
-@pytest.mark.parametrize(
-    "change",
-    [
-        "x.mul_(2.0)",  # in place on the input (normalising pixels in place, say)
-        # (`x = x * 2.0; x.requires_grad = True`, what Wav2Vec2 does, is traced again without input
-        # gradients: see test_a_model_that_sets_requires_grad_on_its_inputs_work_...)
-    ],
-)
-def test_model_that_changes_its_input_is_pointed_to_no_input_grad(runner, tmp_path, change):
-    path = write_model(
-        tmp_path,
-        f"""
-        import torch
-
-        weight = torch.nn.Parameter(torch.ones(3))
-
-        def model(x):
-            {change}
-            return (x * weight).sum()
-
-        def example_inputs():
-            return torch.ones(3)
-        """,
-    )
-    result = invoke(runner, "run", str(path))
-    assert result.exit_code == 3
-    assert "--no-input-grad" in result.stderr
-    assert invoke(runner, "run", str(path), "--no-input-grad").exit_code == 0
-
-
 def test_node_lines_are_not_folded_when_stdout_is_not_a_terminal(runner, monkeypatch):
     """In a CI log or a file each node line stays whole (Rich folds at 80 columns there by default)."""
     monkeypatch.delenv("COLUMNS", raising=False)
@@ -767,6 +741,9 @@ def test_json_to_stdout_still_writes_exports_and_says_why_it_fails(runner, tmp_p
     document = strict_json(result.stdout)  # stdout holds the JSON alone
     assert document["summary"]["first_nonfinite"]["name"] == "SqrtBackward0"
     assert "FAIL nonfinite" in result.stderr and "SqrtBackward0" in result.stderr
+    # on stderr too, a finding stays one line in a log, longer than 80 columns, and ends in no space
+    fail = next(line for line in result.stderr.splitlines() if line.startswith("FAIL nonfinite"))
+    assert len(fail) > 80 and "SqrtBackward0" in fail and not fail.endswith(" "), result.stderr
     assert dot.read_text().startswith("digraph") and "SqrtBackward0" in svg.read_text()
 
 
@@ -814,6 +791,8 @@ def test_no_line_of_a_log_ends_in_spaces(runner, command, monkeypatch):
     [
         (["run", "sample_models/mlp.py:"], "no NAME after ':' in target 'sample_models/mlp.py:'"),
         (["run", "sample_models"], "sample_models is a folder, not a Python file"),
+        (["run", "pyproject.toml"], "the model file must be a .py file"),  # a file, not the module toml of a package
+        (["run", "LICENSE"], "the model file must be a .py file"),
         (["run", "sample_models/mlp.py", "--json", ""], "--json was given an empty path"),
         (["run", "sample_models/mlp.py", "--json", "sample_models/mlp.py/out.json"], "'sample_models/mlp.py' is a file"),
         (["run", "sample_models/mlp.py", "--dot", "-"], "--dot -: only --json writes to stdout"),
@@ -858,6 +837,42 @@ def test_a_model_that_sets_requires_grad_on_its_inputs_work_is_traced_without_in
     assert "traced again without gradients for the inputs (--no-input-grad)" in result.stderr
     document = json.loads((tmp_path / "out.json").read_text())
     assert not [n for n in document["nodes"] if (n["param"] or "").startswith("input:")]
+    assert {n["param"] for n in document["nodes"] if n["param"]} == {"fc.weight", "fc.bias"}
+
+
+@pytest.mark.parametrize("changed", ["input", "parameter"])
+def test_a_model_that_changes_its_input_in_place_is_traced_without_input_gradients(runner, tmp_path, changed):
+    """``x.sub_(mean)`` on an input torch refuses only because gradtrace made the input require grad: traced
+    again without. The same error from a parameter changed in place is the model's own, and stands."""
+    model = write_model(
+        tmp_path,
+        f"""
+        import torch
+        from torch import nn
+
+        class Normalises(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 1)
+
+            def forward(self, x):
+                {"x.sub_(x.mean())" if changed == "input" else "self.fc.weight.mul_(0.5)"}
+                return self.fc(x)
+
+        model = Normalises()
+
+        def example_inputs():
+            return torch.randn(3, 4)
+        """,
+    )
+    result = invoke(runner, "run", str(model), "--json", str(tmp_path / "out.json"))
+    if changed == "parameter":
+        assert result.exit_code == 3 and "in-place operation" in result.stderr, result.output
+        assert "traced again" not in result.stderr
+        return
+    assert result.exit_code == 0, result.output
+    assert "the model changes an input in place" in result.stderr
+    document = json.loads((tmp_path / "out.json").read_text())
     assert {n["param"] for n in document["nodes"] if n["param"]} == {"fc.weight", "fc.bias"}
 
 

@@ -89,6 +89,16 @@ def test_bad_arguments():
         assert_gradients_healthy(model, (x,), fail_on="gradchek")
     with pytest.raises(ValueError, match="above max_grad_norm"):
         assert_gradients_healthy(model, (x,), max_grad_norm=1.0, min_grad_norm=2.0)
+    # a check that would not run must not pass a test silently (as the command line refuses it)
+    with pytest.raises(ValueError, match="no threshold"):
+        assert_gradients_healthy(model, (x,), fail_on="norm")
+    with pytest.raises(ValueError, match="no threshold"):
+        assert_gradients_healthy(model, (x,), warn_on=["norm"])
+    with pytest.raises(ValueError, match="gradcheck=True"):
+        assert_gradients_healthy(model, (x,), fail_on="gradcheck")
+    with pytest.raises(ValueError, match="replay=True"):
+        assert_gradients_healthy(model, (x,), fail_on="replay")
+    assert_gradients_healthy(model, (x,), fail_on="norm,gradcheck", max_grad_norm=1e6, gradcheck=True)
 
 
 def test_gradcheck_failure_names_the_function():

@@ -125,6 +125,15 @@ class CheckPolicy:
         return finding.kind in self.failing
 
 
+def unmet_requirement(checks: Iterable[str], thresholds: Thresholds, asked_for: Iterable[str]) -> str | None:
+    """The first of ``checks`` (named to fail or warn) that would find nothing, silently: ``norm`` without a
+    threshold, ``gradcheck`` or ``replay`` where that check is not in ``asked_for`` (so does not run)."""
+    checks, asked_for = set(checks), set(asked_for)
+    if "norm" in checks and not thresholds.active:
+        return "norm"
+    return next((check for check in ("gradcheck", "replay") if check in checks and check not in asked_for), None)
+
+
 def parse_fail_on(text: str | Iterable[str] | None, option: str = "--fail-on") -> tuple[str, ...]:
     """``"nonfinite,divergence"`` (or a list of names) → ``("nonfinite", "divergence")``.
 

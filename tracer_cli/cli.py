@@ -207,7 +207,8 @@ _CHECK_NAMES = "nonfinite (NaN/Inf gradients), nograd (parameters without gradie
     "Function failed --gradcheck), replay (a backward not reproducible under --replay)"
 _FAIL_ON = typer.Option(
     None, "--fail-on", metavar="CHECKS", help=f"Exit 1 when any of these is found (comma list): {_CHECK_NAMES}. "
-    "Added to the checks that fail anyway (check: nonfinite, nograd; norm when a threshold is set).",
+    "Added to the checks that fail anyway (check: nonfinite, nograd, gradcheck; run and check: norm when a "
+    "threshold is set).",
     show_default=False,
 )
 _WARN_ON = typer.Option(
@@ -341,7 +342,7 @@ def run(
     traces and rank 0 compares them. Defaults come from the tool.gradtrace table
     of the nearest pyproject.toml.
 
-    Exit codes: 0 ok, 1 a --fail-on check failed, 2 usage or input-spec error,
+    Exit codes: 0 ok, 1 a --fail-on check (or a norm threshold) failed, 2 usage or input-spec error,
     3 the model could not be loaded or raised, 70 internal error, 130 interrupted.
     """
     _guarded(debug, lambda: _execute(ctx))
@@ -394,8 +395,8 @@ def check(
     Findings: non-finite gradients anywhere in the graph (also masked ones),
     parameters without gradient, all-zero parameter gradients, norms outside
     --max-grad-norm/--min-grad-norm, ranks that disagree. Failing by default:
-    nonfinite, nograd, and norm when a threshold is set; the others warn unless
-    named in --fail-on. Prints a findings table per target and a verdict line;
+    nonfinite, nograd, gradcheck (with --gradcheck), and norm when a threshold
+    is set; the others warn unless named in --fail-on. Prints a findings table per target and a verdict line;
     with GITHUB_ACTIONS=true also ::error/::warning annotation lines. Defaults
     come from the tool.gradtrace table of the nearest pyproject.toml.
 
@@ -428,7 +429,7 @@ def _options(ctx: typer.Context) -> _Options:
     """Validate the command's parameters, with ``[tool.gradtrace]`` defaults for those not given."""
     import re
 
-    from .checks import CHECK_DEFAULT_FAILING, CheckPolicy, Thresholds, parse_fail_on
+    from .checks import CHECK_DEFAULT_FAILING, CheckPolicy, Thresholds, parse_fail_on, unmet_requirement
     from .config import load_config
     from .errors import UsageError
     from .render.tree import TreeOptions
@@ -447,15 +448,16 @@ def _options(ctx: typer.Context) -> _Options:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     thresholds = Thresholds(params["max_grad_norm"], params["min_grad_norm"])
+    asked_for = [check for check in ("gradcheck", "replay") if params.get(check, False)]
     for option, checks in (("--fail-on", fail_on), ("--warn-on", warn_on)):  # checks that would find nothing, silently
-        if "norm" in checks and not thresholds.active:
+        unmet = unmet_requirement(checks, thresholds, asked_for)
+        if unmet == "norm":
             raise UsageError(
                 f"{option} norm needs a threshold to check against",
                 hint="add --max-grad-norm X and/or --min-grad-norm Y (max-grad-norm = X in [tool.gradtrace])",
             )
-        for check in ("gradcheck", "replay"):
-            if check in checks and not params.get(check, False):
-                raise UsageError(f"{option} {check} needs --{check}: only then does the check run", hint=f"add --{check}")
+        if unmet is not None:
+            raise UsageError(f"{option} {unmet} needs --{unmet}: only then does the check run", hint=f"add --{unmet}")
     if None not in (thresholds.max_grad_norm, thresholds.min_grad_norm) and (
         thresholds.min_grad_norm > thresholds.max_grad_norm  # type: ignore[operator]
     ):
@@ -683,15 +685,19 @@ def _trace(
             with torch.random.fork_rng(devices=devices):  # a step traced again starts from the same random state
                 result = step(forward_stats=forward_stats)
         except UserCodeError as error:
-            if world_size > 1 or not options.input_grad or not _refuses_input_grad(error):
+            refused = _input_grad_refused(error)
+            if world_size > 1 or not options.input_grad or refused is None:
                 raise
-            (note or _note)(
-                "the model sets requires_grad on a tensor it makes from its inputs, which torch refuses while the "
-                "inputs require grad: traced again without gradients for the inputs (--no-input-grad)"
-            )
             step = functools.partial(step, input_grad=False)
-            with torch.random.fork_rng(devices=devices):
-                result = step(forward_stats=forward_stats)
+            try:
+                with torch.random.fork_rng(devices=devices):
+                    result = step(forward_stats=forward_stats)
+            except UserCodeError:
+                raise error  # not the inputs' doing after all (a parameter changed in place): the first error stands
+            (note or _note)(
+                f"{refused}, which torch refuses while the inputs require grad: traced again without gradients for "
+                "the inputs (--no-input-grad)"
+            )
         if forward_stats:
             return result
         loss = result.meta.loss
@@ -713,11 +719,19 @@ def _trace(
         return result
 
 
-def _refuses_input_grad(error: BaseException) -> bool:
-    """Whether the model's own ``tensor.requires_grad = True`` failed because its inputs require grad (Hugging
-    Face's Wav2Vec2 does it to hidden states made from its input, in train mode)."""
+def _input_grad_refused(error: BaseException) -> str | None:
+    """What the model did that torch refuses because gradtrace made its inputs require grad, or None: its own
+    ``tensor.requires_grad = True`` on a tensor made from them (Hugging Face's Wav2Vec2 in train mode), or an
+    in-place op on an input (preprocessing, ``x.sub_(mean)``). The same error from a parameter's in-place
+    op is the model's own: the step without input gradients raises it again."""
     cause = error.__cause__
-    return isinstance(cause, RuntimeError) and "requires_grad flags of leaf variables" in str(cause)
+    if not isinstance(cause, RuntimeError):
+        return None
+    if "requires_grad flags of leaf variables" in str(cause):
+        return "the model sets requires_grad on a tensor it makes from its inputs"
+    if "leaf Variable that requires grad is being used in an in-place operation" in str(cause):
+        return "the model changes an input in place"
+    return None
 
 
 def _note(message: str) -> None:
@@ -817,7 +831,7 @@ def _run_single(options: _Options) -> int:
     console = _log_console(record=bool(options.exports), silent=to_stdout)
     if not to_stdout or options.exports:
         console.print(render_trace(result, options.tree))
-    _print_findings(_stderr_console() if to_stdout else console, findings, "")
+    _print_findings(_log_console(stderr=True) if to_stdout else console, findings, "")
     _save_exports(options, console, result)
     if options.json_path is not None and not to_stdout:
         _stderr_console().print(f"trace written to {options.json_path}", style="dim", markup=False)
@@ -894,26 +908,27 @@ def _finish_check(options: _Options, reports: list[Any], console: Any, prefix: s
     return ExitCode.GRADIENT_PROBLEMS if any(r.failures for r in reports) else ExitCode.OK
 
 
-def _log_console(record: bool = False, silent: bool = False) -> Any:
-    """stdout; when it is not a terminal (a CI log, a pipe, a file), wide enough that a node line or a
-    table row is not folded (Rich's default there is 80 columns), so that each can be grepped whole.
-    Nothing printed fills the width: each line is as long as what it says. ``silent``: nowhere (what
-    it prints is only recorded, for --svg and --html)."""
+def _log_console(record: bool = False, silent: bool = False, stderr: bool = False) -> Any:
+    """stdout (``stderr``: stderr); when it is not a terminal (a CI log, a pipe, a file), wide enough that a
+    node line or a table row is not folded (Rich's default there is 80 columns), so that each can be
+    grepped whole. Nothing printed fills the width: each line is as long as what it says. ``silent``:
+    nowhere (what it prints is only recorded, for --svg and --html)."""
     import os
 
     from rich.console import Console
 
     if silent:
         return Console(highlight=False, record=record, file=_Discard(), width=_LOG_WIDTH)
+    stream = sys.stderr if stderr else sys.stdout
     try:
-        terminal = sys.stdout.isatty()
-    except (AttributeError, ValueError):  # no stdout, or a closed one
+        terminal = stream.isatty()
+    except (AttributeError, ValueError):  # no stream, or a closed one
         terminal = False
     if terminal:
-        return Console(highlight=False, record=record)
+        return Console(highlight=False, record=record, stderr=stderr)
     # a log, also one that keeps colours (FORCE_COLOR): a table pads its cells, but no line of it ends in spaces
     width = None if "COLUMNS" in os.environ else _LOG_WIDTH
-    return Console(highlight=False, record=record, width=width, file=_LineEndsTrimmed(sys.stdout))
+    return Console(highlight=False, record=record, width=width, file=_LineEndsTrimmed(stream))
 
 
 _LOG_WIDTH = 10_000
@@ -1064,7 +1079,7 @@ def _compare_and_show(options: _Options, documents: list[dict[str, Any]]) -> int
     if not to_stdout or options.exports:
         for line in _rank_lines(options, console, traces, comparison):
             console.print(line, soft_wrap=True)
-    _print_findings(_stderr_console() if to_stdout else console, failed, "[rank0] ")
+    _print_findings(_log_console(stderr=True) if to_stdout else console, failed, "[rank0] ")
     _save_exports(options, console, traces[0])
     if options.json_path is not None and not to_stdout:
         _stderr_console().print(f"[rank0] merged trace of {len(traces)} ranks written to {options.json_path}", style="dim", markup=False)

@@ -85,7 +85,8 @@ def split_target(target: str) -> tuple[str, str, str | None]:
         location, name = head, tail
     elif sep and head and not tail:
         raise UsageError(f"no NAME after ':' in target {target!r}", hint=f"name an attribute ({head}:build_model) or drop the ':'")
-    if location.endswith(".py") or os.sep in location or "/" in location:
+    # an existing file is one, whatever its name (notes.txt is not the module txt of a package notes)
+    if location.endswith(".py") or os.sep in location or "/" in location or os.path.isfile(location):
         return "file", location, name
     if os.path.isdir(location) and not os.path.exists(os.path.join(location, "__init__.py")):  # not a package
         raise UsageError(f"{location} is a folder, not a Python file", hint="name the model file, e.g. model.py")

@@ -290,7 +290,9 @@ class Node(NamedTuple):
             return f"{name} in {self.module or '<root>'}"
         return name
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, forward_recorded: bool = False) -> dict[str, Any]:
+        """The node's JSON object; with ``forward_recorded`` (the trace recorded forward values), a node
+        without one has ``"forward": null``."""
         out: dict[str, Any] = {
             "id": self.id,
             "name": self.name,
@@ -307,8 +309,8 @@ class Node(NamedTuple):
         if self.calls:
             out["runs"] = self.runs
             out["calls"] = [call.to_dict() for call in self.calls]
-        if self.forward is not None:
-            out["forward"] = self.forward.to_dict()
+        if self.forward is not None or forward_recorded:
+            out["forward"] = None if self.forward is None else self.forward.to_dict()
         out["source"] = self.source
         if self.stack is not None:
             out["stack"] = list(self.stack)
@@ -556,10 +558,11 @@ class Trace:
 
     def to_dict(self) -> dict[str, Any]:
         """The versioned JSON document (strict JSON once dumped)."""
+        recorded = any(n.forward is not None for n in self.nodes)
         return {
             "schema": SCHEMA,
             "meta": self.meta.to_dict(),
-            "nodes": [n.to_dict() for n in self.nodes],
+            "nodes": [n.to_dict(recorded) for n in self.nodes],
             "param_grads": {name: None if stat is None else stat.to_dict() for name, stat in self.param_grads},
             "summary": self.summary(),
         }

@@ -14,7 +14,15 @@ from __future__ import annotations
 import io
 from typing import Any, Callable, Iterable
 
-from .checks import CHECK_DEFAULT_FAILING, CheckPolicy, TargetReport, Thresholds, check_traces, parse_fail_on
+from .checks import (
+    CHECK_DEFAULT_FAILING,
+    CheckPolicy,
+    TargetReport,
+    Thresholds,
+    check_traces,
+    parse_fail_on,
+    unmet_requirement,
+)
 from .records import Trace
 
 __all__ = ["assert_gradients_healthy", "format_report"]
@@ -59,7 +67,9 @@ def assert_gradients_healthy(
 
     Raises:
         AssertionError: a failing finding; the message is the findings table.
-        ValueError: an unknown check name, or ``min_grad_norm`` above ``max_grad_norm``.
+        ValueError: an unknown check name, ``min_grad_norm`` above ``max_grad_norm``, or a check named in
+            ``fail_on``/``warn_on`` that would not run (``norm`` without a threshold, ``gradcheck`` or
+            ``replay`` without ``gradcheck=True`` or ``replay=True``).
         tracer_cli.errors.GradtraceError: the model (or its loss) raised, or cannot be traced.
     """
     __tracebackhide__ = True  # pytest shows the test's line, not this one
@@ -68,12 +78,15 @@ def assert_gradients_healthy(
     thresholds = Thresholds(max_grad_norm, min_grad_norm)
     if max_grad_norm is not None and min_grad_norm is not None and min_grad_norm > max_grad_norm:
         raise ValueError(f"min_grad_norm {min_grad_norm:g} is above max_grad_norm {max_grad_norm:g}")
-    policy = CheckPolicy.build(
-        CHECK_DEFAULT_FAILING,
-        fail_on=parse_fail_on(fail_on, option="fail_on"),
-        warn_on=parse_fail_on(warn_on, option="warn_on"),
-        thresholds=thresholds,
-    )
+    fail_on, warn_on = parse_fail_on(fail_on, option="fail_on"), parse_fail_on(warn_on, option="warn_on")
+    asked_for = [check for check, asked in (("gradcheck", gradcheck), ("replay", replay)) if asked]
+    for keyword, checks in (("fail_on", fail_on), ("warn_on", warn_on)):  # a check that would pass silently
+        unmet = unmet_requirement(checks, thresholds, asked_for)
+        if unmet == "norm":
+            raise ValueError(f"{keyword} names 'norm' but no threshold is set: pass max_grad_norm and/or min_grad_norm")
+        if unmet is not None:
+            raise ValueError(f"{keyword} names {unmet!r}, which runs only with {unmet}=True")
+    policy = CheckPolicy.build(CHECK_DEFAULT_FAILING, fail_on=fail_on, warn_on=warn_on, thresholds=thresholds)
     result = trace(
         model, args, kwargs, loss_fn=loss_fn, loss_reduction=loss_reduction, input_grad=input_grad, train=train,
         gradcheck=gradcheck, replay=replay,
