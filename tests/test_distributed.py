@@ -582,9 +582,30 @@ def test_timeout_bounds_a_rank_that_hangs(tmp_path):
     assert j.returncode != 0, j
     assert_line_discipline(j)
     assert any(line.startswith("gradtrace: error:") for line in j.lines(0, "stderr")), j
-    assert "did not answer within --timeout 5 s" in j.stderr, j  # not "the first error above" (there is none)
+    # rank 0 names the rank that did not arrive (not "the first error above": there is none)
+    assert "rank 1 did not finish tracing within --timeout 5 s" in "\n".join(j.lines(0, "stderr")), j
     assert "internal error" not in j.stderr, j
     assert_no_leftovers(j)
+
+
+def test_leftover_torchrun_variables_are_a_usage_error_not_a_crash(tmp_path):
+    """RANK and WORLD_SIZE left from another job, without the rest of torchrun's environment."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    env.update(RANK="0", WORLD_SIZE="2", NO_COLOR="1")
+    result = subprocess.run(
+        [GRADTRACE, "run", "sample_models/mlp.py", "--timeout", "5"], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=FAILING_JOB_TIMEOUT_S,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "the rest of the torchrun environment is not" in result.stderr and "MASTER_ADDR" in result.stderr
+    assert "internal error" not in result.stderr
+
+
+def test_a_model_file_that_makes_its_own_process_group_is_told_to_guard_it():
+    from tracer_cli.errors import UserCodeError
+
+    error = UserCodeError("importing train.py", ValueError("trying to initialize the default process group twice!"))
+    assert "torch.distributed.is_initialized()" in error.hint
 
 
 # The comparison as a library function (single process) ----------------------------------------------

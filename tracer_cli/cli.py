@@ -411,9 +411,17 @@ def _execute(ctx: typer.Context) -> int:
     from .distributed import launch, rank_info
     from .errors import UsageError
 
-    options = _options(ctx)
     info = rank_info()
     nproc_per_node = ctx.params["nproc_per_node"]
+    try:
+        options = _options(ctx)
+        world_size = nproc_per_node if nproc_per_node is not None else info.world_size if info is not None else None
+        if world_size is not None and world_size >= 1:  # --ranks beyond the job: said before any rank traces
+            _selected_ranks(options.ranks, world_size)
+    except UsageError:
+        if info is not None and info.rank != 0 and nproc_per_node is None:
+            return ExitCode.USAGE  # every rank has the same options: rank 0 says what is wrong, once
+        raise
     if nproc_per_node is not None:
         if info is not None:
             raise UsageError("--nproc-per-node launches ranks itself: do not combine it with torchrun")
@@ -1008,7 +1016,20 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
         from .errors import ModelError
 
         echo = lost_peer(error) and not isinstance(error, KeyboardInterrupt)
-        if echo and "timed out" in str(error).lower():  # no rank failed: one is slow, or stuck
+        missing = getattr(error, "missing", None)  # the ranks that did not arrive, where known
+        if echo and missing == [0] and info.rank != 0:
+            error = ModelError(
+                f"rank 0 did not answer within --timeout {options.timeout:g} s: it waited for a rank that hangs "
+                "(rank 0's error names it), or hangs itself",
+                hint="raise --timeout if a rank is only slow; a rank that hangs is stopped when this one exits",
+            )
+        elif echo and missing:
+            error = ModelError(
+                f"{_ranks_text(missing)} did not finish tracing within --timeout {options.timeout:g} s (hung, or "
+                "that much slower than the others)",
+                hint="raise --timeout if a rank is only slow; a rank that hangs is stopped when this one exits",
+            )
+        elif echo and _timed_out(error):  # no rank failed: one is slow, or stuck
             error = ModelError(
                 f"another rank did not answer within --timeout {options.timeout:g} s (it hangs, or is that much "
                 f"slower): {error}",
@@ -1037,6 +1058,15 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe: the exit code still says it
             pass
     os._exit(int(code))
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether an error (or its cause: a collective in the model's own code) is a timeout."""
+    return any("timed out" in str(e).lower() for e in (error, error.__cause__) if e is not None)
 
 
 def _compared(options: _Options, documents: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any]]:

@@ -6,7 +6,9 @@ torch.distributed is imported inside functions only.
 from __future__ import annotations
 
 import os
+import re
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -76,7 +78,17 @@ class ProcessGroup:
             torch.cuda.set_device(self.info.local_rank)
         if not dist.is_initialized():
             backend = "nccl" if device.startswith("cuda") else "gloo"
-            dist.init_process_group(backend=backend, timeout=self.timeout)
+            leftover = "run under torchrun (it sets them all), or unset RANK and WORLD_SIZE if another job left them"
+            try:
+                dist.init_process_group(backend=backend, timeout=self.timeout)
+            except ValueError as exc:  # the env:// rendezvous without MASTER_ADDR or MASTER_PORT
+                raise UsageError(f"RANK and WORLD_SIZE are set, but the rest of the torchrun environment is not: {exc}", hint=leftover) from exc
+            except RuntimeError as exc:  # the other ranks never joined (DistStoreError)
+                raise UsageError(
+                    f"waited --timeout {self.timeout.total_seconds():g} s for the {self.info.world_size} ranks of "
+                    f"WORLD_SIZE to join, in vain: {exc}",
+                    hint=leftover,
+                ) from exc
             self.owned = True
         self.group = dist.new_group(backend="gloo", timeout=self.timeout)
         return device
@@ -97,6 +109,17 @@ class ProcessGroup:
 
         payload = json.dumps(value, allow_nan=False).encode()
         world = self.info.world_size
+        started = time.monotonic()
+        try:  # first, every rank has its trace: rank 0 learns which ranks did not arrive in time (hung, or slow)
+            dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
+        except RuntimeError as exc:
+            named = _MISSING.search(str(exc))
+            # gloo names a rank that went away (it failed: its own error says why) as soon as it goes, too
+            waited = time.monotonic() - started >= 0.9 * self.timeout.total_seconds()
+            missing = [int(rank) for rank in re.findall(r"\d+", named.group(1))] if named and waited else []
+            if self.info.rank != 0 and waited:  # the others wait for rank 0, which waits for every rank
+                missing = [0]
+            raise PeerLostError(f"lost contact with the other ranks: {exc}", missing=missing) from exc
         try:
             sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
             dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self.group)
@@ -110,7 +133,7 @@ class ProcessGroup:
             buffers = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
             dist.gather(padded, buffers, dst=0, group=self.group)
         except RuntimeError as exc:
-            raise PeerLostError(f"lost contact with the other ranks: {exc}", hint="look for the error of another rank") from exc
+            raise PeerLostError(f"lost contact with the other ranks: {exc}") from exc
         return [json.loads(_tensor_bytes(buffer, int(size))) for buffer, size in zip(buffers, sizes)]
 
     def broadcast(self, value: int) -> int:
@@ -140,7 +163,15 @@ def _tensor_bytes(tensor: Any, size: int) -> bytes:
 
 
 class PeerLostError(ModelError):
-    """Another rank went away while this one waited for it in gradtrace's own messages."""
+    """Another rank went away while this one waited for it in gradtrace's own messages; ``missing``: the ranks
+    that did not arrive, where known (rank 0 knows it)."""
+
+    def __init__(self, message: str, hint: str | None = "look for the error of another rank", missing: Sequence[int] = ()):
+        super().__init__(message, hint)
+        self.missing = list(missing)
+
+
+_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")  # gloo's words on rank 0
 
 
 def _describe_exit(code: int) -> str:
@@ -160,6 +191,8 @@ _PEER_LOST = (
     "Connection reset by peer",
     "NCCL communicator was aborted",
     "Broken pipe",
+    "Timed out waiting",  # gloo, in a collective of the model's (DDP's all-reduce) bounded by --timeout
+    "Watchdog caught collective operation timeout",  # nccl's
 )
 
 

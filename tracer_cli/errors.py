@@ -84,6 +84,11 @@ class UserCodeError(ModelError):
                 "the model's code called sys.exit() or os._exit() (argparse does on arguments it does not know): a model file is "
                 'imported, so keep script code under if __name__ == "__main__":'
             )
+        if hint is None and "default process group twice" in str(exc):
+            hint = (
+                "under torchrun gradtrace creates the process group before it imports your file: create yours only "
+                "if not torch.distributed.is_initialized()"
+            )
         super().__init__(f"{phase} raised {summary}", hint)
         self.phase = phase
         self.original = exc
