@@ -155,6 +155,27 @@ def test_forward_nan_in_a_parameter_is_named_by_the_parameter():
     assert result.forward_nonfinite_origin().param == "2.weight"
 
 
+def test_forward_nan_made_inside_one_call_names_the_ops_not_seen_one_by_one():
+    """F.multi_head_attention_forward is one call to a TorchFunctionMode: its ops have no forward values. With a
+    sequence all padding its softmax makes the NaN, which comes out at the call's output: the ops inside are named
+    as where it may have been made (and a Linear's transpose, which cannot make one, is not)."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, batch_first=True)
+    padding = torch.tensor([[False, False, True], [True, True, True]])  # the second sequence is all padding
+    x = torch.randn(2, 3, 8)
+    result = trace(lambda x: attention(x, x, x, key_padding_mask=padding)[0].sum(), (x,), forward_stats=True)
+    assert math.isnan(result.meta.loss)
+    made = result.forward_nonfinite_origin()
+    unseen = [node.name for node in result.unrecorded_before(made)]
+    assert "SoftmaxBackward0" in unseen and "TBackward0" not in unseen, unseen
+    assert "SoftmaxBackward0" in result.unrecorded_note(made)
+    finding = nonfinite_findings(result)[0]
+    assert "the loss is nan: forward made a nan first" in finding.message and "SoftmaxBackward0" in finding.message
+    # where forward values tell the op itself, nothing is added
+    plain = sample_trace("nan_forward", forward_stats=True)
+    assert plain.unrecorded_note(plain.forward_nonfinite_origin()) == ""
+
+
 def test_run_traces_a_nan_loss_again_to_name_where_forward_made_it():
     result = invoke("run", str(SAMPLES_DIR / "nan_forward.py"))
     assert result.exit_code == 0

@@ -240,7 +240,10 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
         made = trace.forward_nonfinite_origin()
         root = made or (trace.nodes[0] if trace.nodes else None)
         if made is not None:
-            message = f"the loss is {kind}: forward made a {made.forward.nonfinite_kind} first at #{made.id} {made.label()}"
+            message = (
+                f"the loss is {kind}: forward made a {made.forward.nonfinite_kind} first at #{made.id} {made.label()}"
+                + trace.unrecorded_note(made)
+            )
         else:
             message = f"the loss is {kind}: the forward pass already produced it (forward values tell where: --json, or trace(forward_stats=True))"
         findings.append(

@@ -342,6 +342,18 @@ class Node(NamedTuple):
         )
 
 
+# backward nodes of ops whose output holds values of their input (or none): they cannot make a NaN or an
+# infinity from finite values (a dtype conversion can overflow: not among them)
+_VALUE_KEEPING = tuple(
+    f"{op}Backward"
+    for op in (
+        "T", "View", "UnsafeView", "Transpose", "Permute", "Expand", "Unsqueeze", "Squeeze", "Slice", "Select",
+        "Clone", "AsStrided", "ReshapeAlias", "Alias", "Split", "SplitWithSizes", "Unbind", "Cat", "Stack",
+        "Narrow", "Index", "Gather", "Repeat", "Flip", "Roll", "ConstantPadNd",
+    )
+)
+
+
 @dataclass(frozen=True)
 class InputInfo:
     """One input the model was called with."""
@@ -514,6 +526,30 @@ class Trace:
                     stack.append(child)
         leaves = sorted((n for n in reached if n.created is None), key=lambda n: n.id)
         return leaves[0] if leaves else min(reached, key=lambda n: n.created, default=None)
+
+    def unrecorded_before(self, node: Node) -> list[Node]:
+        """The ops that fed ``node`` without a forward value of their own (made inside one call that is seen
+        as a whole, as ``F.multi_head_attention_forward`` or ``F.cross_entropy``), of those that can make a
+        NaN or infinity from finite values (not views, transposes or copies), in creation order: where
+        :meth:`forward_nonfinite_origin` may have been made, unseen."""
+        found, seen, stack = [], set(), [child for child in node.next if child is not None]
+        while stack:
+            current = self.nodes[stack.pop()]
+            if current.id in seen or current.forward is not None or current.created is None:
+                continue  # a recorded value (it came through finite, or is the origin's input) or a leaf
+            seen.add(current.id)
+            if not current.name.startswith(_VALUE_KEEPING):
+                found.append(current)
+            stack.extend(child for child in current.next if child is not None)
+        return sorted(found, key=lambda n: n.created)
+
+    def unrecorded_note(self, node: Node) -> str:
+        """``", or in an op before it ..."`` naming :meth:`unrecorded_before` (empty when there is none)."""
+        unseen = self.unrecorded_before(node)
+        if not unseen:
+            return ""
+        names = ", ".join(f"#{n.id} {n.name.rpartition('::')[2]}" for n in unseen[:8]) + (f" and {len(unseen) - 8} more" if len(unseen) > 8 else "")
+        return f", or in an op before it whose value is not recorded (made inside one call seen as a whole: {names})"
 
     @staticmethod
     def origin_kind(node: Node) -> str | None:

@@ -485,6 +485,7 @@ def render_summary(trace: Trace) -> Table:
         text.append(f"#{made.id} {short_name(made.name)} {_where(made)} ({made.forward.nonfinite_kind})", style=_NONFINITE)
         if made.source:
             text.append(f", created at {made.source}", style=_NONFINITE)
+        text.append(trace.unrecorded_note(made), style=_NONFINITE)
         table.add_row("non-finite", text)
     elif origin is not None:
         text = Text(f"{len(nonfinite)} nodes; it starts at ", style=_NONFINITE)
