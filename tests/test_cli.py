@@ -255,13 +255,14 @@ def test_output_that_cannot_be_created_is_refused_before_the_model_runs(runner, 
 
 def test_output_check_tolerates_other_ranks_checking_the_same_path(tmp_path, monkeypatch):
     """Every rank of a job checks the output path at once: a file another rank's check just made, or just
-    removed, is not an error, and an existing file is left as it was."""
+    removed, is not an error. A file an earlier run left is removed (a failing run leaves no stale result)."""
     from tracer_cli.cli import _check_writable
 
     out = tmp_path / "out.json"
-    out.write_text("kept")
+    out.write_text("earlier")
     _check_writable(str(out), "--json")
-    assert out.read_text() == "kept"
+    assert not out.exists()
+    out.write_text("kept")
     monkeypatch.setattr(Path, "exists", lambda self: False)  # another rank made it after this rank looked
     _check_writable(str(out), "--json")
     assert out.read_text() == "kept"
@@ -796,6 +797,8 @@ def test_no_line_of_a_log_ends_in_spaces(runner, command, monkeypatch):
         (["run", "sample_models/mlp.py", "--json", ""], "--json was given an empty path"),
         (["run", "sample_models/mlp.py", "--json", "sample_models/mlp.py/out.json"], "'sample_models/mlp.py' is a file"),
         (["run", "sample_models/mlp.py", "--dot", "-"], "--dot -: only --json writes to stdout"),
+        (["run", "sample_models/mlp.py", "--json", "sample_models/mlp.py"], "would write over a file this run reads"),
+        (["check", "sample_models/mlp.py", "--junit-xml", "./sample_models/mlp.py"], "would write over a file this run reads"),
         (["check", "sample_models/mlp.py", "--junit-xml", "-"], "--junit-xml -: only --json writes to stdout"),
         (["run", "sample_models/mlp.py", "--ranks", "x"], "--ranks takes 'all' or a comma list"),
     ],
@@ -894,3 +897,26 @@ def test_an_input_seed_changes_the_inputs_but_not_the_model(tmp_path):
     assert torch.equal(base.loaded.model.weight, offset.loaded.model.weight)
     assert not torch.equal(base.args[0], offset.args[0])
     assert torch.equal(offset.args[0], prepare_run(str(path), seed=1).args[0])
+
+
+def test_a_run_that_fails_leaves_no_earlier_result_behind(runner, tmp_path):
+    """A CI job that reads --json or --junit-xml after a failed run must not read the previous run's."""
+    model = write_model(
+        tmp_path,
+        """
+        import torch
+
+        def model(x):
+            raise RuntimeError("planted")
+
+        def example_inputs():
+            return torch.ones(2)
+        """,
+    )
+    stale_json, stale_xml = tmp_path / "out.json", tmp_path / "out.xml"
+    stale_json.write_text('{"stale": true}')
+    stale_xml.write_text("<stale/>")
+    assert invoke(runner, "run", str(model), "--json", str(stale_json)).exit_code == 3
+    assert not stale_json.exists()
+    assert invoke(runner, "check", str(model), "--junit-xml", str(stale_xml)).exit_code == 3
+    assert "stale" not in (stale_xml.read_text() if stale_xml.exists() else "")

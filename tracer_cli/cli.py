@@ -435,6 +435,7 @@ def _execute(ctx: typer.Context) -> int:
 
 def _options(ctx: typer.Context) -> _Options:
     """Validate the command's parameters, with ``[tool.gradtrace]`` defaults for those not given."""
+    import os
     import re
 
     from .checks import CHECK_DEFAULT_FAILING, CheckPolicy, Thresholds, parse_fail_on, unmet_requirement
@@ -485,11 +486,14 @@ def _options(ctx: typer.Context) -> _Options:
         )
     exports = {kind: params[kind] for kind in ("svg", "html", "dot") if params.get(kind) is not None}
     outputs = {"--json": params.get("json_path"), "--junit-xml": params.get("junit_xml")}
+    read = {os.path.realpath(str(p).rpartition(":")[0] or p) for p in [params.get("inputs"), *targets] if p}
     for option, path in [*outputs.items(), *((f"--{kind}", path) for kind, path in exports.items())]:
         if path is None or (path == "-" and option == "--json"):
             continue
         if path == "-":  # it would write a file named "-"
             raise UsageError(f"{option} -: only --json writes to stdout", hint=f"name a file for {option}")
+        if os.path.realpath(path) in read:
+            raise UsageError(f"{option} {path} would write over a file this run reads (a model file, or --inputs)")
         _check_writable(path, option)
     inputs = params["inputs"]
     if params["input"] and inputs is not None:  # either on the command line replaces both config keys
@@ -536,7 +540,8 @@ def _options(ctx: typer.Context) -> _Options:
 
 def _check_writable(path: str, option: str) -> None:
     """Refuse an output file that cannot be written before the model runs, not after (a folder that is
-    missing or not writable, or a folder given as the file)."""
+    missing or not writable, or a folder given as the file). A file already there is removed: a run that
+    fails leaves no earlier result behind, for a CI job to read as this one's."""
     import os
 
     from .errors import UsageError
@@ -561,7 +566,9 @@ def _check_writable(path: str, option: str) -> None:
         if target.exists():
             try:
                 os.close(os.open(target, os.O_WRONLY | os.O_APPEND))
-            except FileNotFoundError:  # another rank's probe, removed meanwhile
+                # what an earlier run wrote goes now: should this one fail, no stale result is left to read
+                target.unlink()
+            except FileNotFoundError:  # another rank's probe (or its removal of the old file), meanwhile
                 pass
         else:
             try:
