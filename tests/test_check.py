@@ -701,3 +701,18 @@ def test_a_parameter_a_custom_backward_gives_none_has_no_gradient():
     result = trace(model, (x,))
     assert result.params_without_grad == ("w",)
     assert [f.param for f in trace_findings(result, Thresholds()) if f.kind == "nograd"] == ["w"]
+
+
+def test_the_report_line_shows_each_rank_s_loss_where_they_differ():
+    """Rank 0's finite loss must not stand for a job where another rank's is NaN."""
+    from tracer_cli import trace
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x = torch.randn(2, 3)
+    healthy = trace(model, (x,))
+    poisoned = trace(model, (x * float("nan"),))
+    same = check_traces([healthy, trace(model, (x,))], CheckPolicy.build(["nonfinite"]))
+    assert f"loss {healthy.meta.loss:.6g} ·" in same.summary and "by rank" not in same.summary
+    differ = check_traces([healthy, poisoned], CheckPolicy.build(["nonfinite"]))
+    assert f"loss {healthy.meta.loss:.6g} / nan (by rank)" in differ.summary, differ.summary

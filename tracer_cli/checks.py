@@ -513,21 +513,32 @@ def check_traces(
         findings=tuple(findings),
         policy=policy,
         time_s=max(t.meta.timings_s.get("total", 0.0) for t in traces),
-        summary=_trace_line(first, len(traces)),
+        summary=_trace_line(traces),
     )
 
 
-def _trace_line(trace: Trace, ranks: int) -> str:
-    summary = trace.summary()
-    loss = trace.meta.loss
-    parts = [f"{summary['nodes']} nodes, {summary['executed']} ran"]
-    if ranks > 1:
-        parts.append(f"{ranks} ranks")
+def _trace_line(traces: Sequence[Trace]) -> str:
+    """Nodes, ranks, loss and total parameter gradient norm: rank 0's counts, and each rank's values where
+    they differ (a NaN on one rank is not hidden behind rank 0's finite loss)."""
+    summaries = [t.summary() for t in traces]
+    parts = [f"{summaries[0]['nodes']} nodes, {summaries[0]['executed']} ran"]
+    if len(traces) > 1:
+        parts.append(f"{len(traces)} ranks")
+
+    def values(texts: list[str | None]) -> str | None:
+        present = [text for text in texts if text is not None]
+        if not present:
+            return None
+        if len(set(texts)) == 1:
+            return present[0]
+        return " / ".join("?" if text is None else text for text in texts[:8]) + (" / ..." if len(texts) > 8 else "") + " (by rank)"
+
+    loss = values([None if t.meta.loss is None else f"{t.meta.loss:.6g}" for t in traces])
     if loss is not None:
-        parts.append(f"loss {loss:.6g}")
-    total = summary["param_grad_norm_total"]
+        parts.append(f"loss {loss}")
+    total = values([None if s["param_grad_norm_total"] is None else f"{float(s['param_grad_norm_total']):.3g}" for s in summaries])
     if total is not None:
-        parts.append(f"params ‖grad‖ {float(total):.3g}")
+        parts.append(f"params ‖grad‖ {total}")
     return " · ".join(parts)
 
 
