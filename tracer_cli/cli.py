@@ -438,7 +438,13 @@ def _options(ctx: typer.Context) -> _Options:
     import os
     import re
 
-    from .checks import CHECK_DEFAULT_FAILING, CheckPolicy, Thresholds, parse_fail_on, unmet_requirement
+    from .checks import (
+        CHECK_DEFAULT_FAILING,
+        CheckPolicy,
+        Thresholds,
+        parse_fail_on,
+        unmet_requirement,
+    )
     from .config import load_config
     from .errors import UsageError
     from .render.tree import TreeOptions
