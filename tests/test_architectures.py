@@ -124,11 +124,14 @@ class CreationOracle:
     A call creates the nodes reachable from its outputs but not from its inputs (the inputs'
     ``grad_fn`` are taken in the pre-hook, before an in-place op can move them). The innermost
     call is the one entered last among those that created the node. Parameters' AccumulateGrad
-    nodes belong to the module that owns the parameter (first in ``named_modules`` order).
+    nodes belong to the module that owns the parameter (first in ``named_modules`` order). A module's
+    full backward hooks wrap its output in a node after every forward hook (these hooks see it made in
+    the parent's call): it belongs to the module whose output it wraps.
     """
 
     def __init__(self, model: nn.Module):
         self.paths = {id(m): name for name, m in model.named_modules()}
+        self.modules = dict(model.named_modules())
         self.leaf_paths = {name for name, m in model.named_modules() if not any(True for _ in m.children())}
         self.param_owner: dict[int, str] = {}
         for name, module in model.named_modules():
@@ -169,6 +172,15 @@ class CreationOracle:
         if is_accumulate(node):
             return self.param_owner.get(id(node.variable))
         known = self.owner.get(id(node))
+        if known and node.name() == "BackwardHookFunctionBackward":
+            wrapped = {self.owner[id(f)][1] for f, _ in node.next_functions if f is not None and id(f) in self.owner}
+            if len(wrapped) == 1:
+                (path,) = wrapped
+                module = self.modules[path]
+                hooked = module._backward_pre_hooks or getattr(module, "_is_full_backward_hook", None)
+                inside = path.startswith(f"{known[1]}.") if known[1] else path != ""
+                if hooked and inside:  # the output side: made after the module's call, in its parent's
+                    return path
         return known[1] if known else default
 
     def remove(self) -> None:

@@ -874,3 +874,39 @@ def test_a_packed_sequence_input_is_one_argument_and_its_data_an_input_leaf():
     leaf = result.leaf("input:0.data")
     assert leaf.grad_norm == pytest.approx(float(data.grad.norm()), rel=1e-5)
     assert [info.name for info in result.meta.inputs] == ["input:0.data", "input:0.batch_sizes"]
+
+
+def test_a_full_backward_hook_s_nodes_belong_to_its_module():
+    """register_full_backward_hook wraps a module's inputs (before its forward) and its output (after every
+    forward hook, so after gradtrace's) in BackwardHookFunctionBackward nodes: both are the module's, and the
+    parent's next op is the parent's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Tanh())
+    seen = []
+    handle = model[1].register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(len(grad_out)))
+    try:
+        result = trace(model, (torch.randn(2, 4),))
+    finally:
+        handle.remove()
+    hooked = [n for n in result.nodes if n.name == "BackwardHookFunctionBackward"]
+    assert len(hooked) == 2 and {n.module for n in hooked} == {"1"}, [(n.name, n.module) for n in result.nodes]
+    assert next(n for n in result.nodes if n.name == "TanhBackward0").module == "2"
+    assert seen == [1]  # the user's hook ran, once
+
+
+class _FrozenThenScaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.frozen(x) * self.scale
+
+
+def test_a_hooked_module_whose_output_needs_no_gradient_does_not_take_the_next_op():
+    """No output node is made there (nothing requires grad): the parent's next op stays the parent's."""
+    model = _FrozenThenScaled()
+    model.frozen.register_full_backward_hook(lambda *args: None)
+    result = trace(model, (torch.randn(2, 4),), input_grad=False)
+    assert next(n for n in result.nodes if n.name == "MulBackward0").module == ""

@@ -310,8 +310,23 @@ class _ModuleTracker:
                 del stack[position:]
                 break
         if threading.get_ident() == self._record_thread:
-            self.bound_seqs.append(self._next_sequence_nr())
+            seq = self._next_sequence_nr()
+            if module is not None and (module._backward_hooks or module._backward_pre_hooks):
+                seq += self._output_hook_node(module, output)
+            self.bound_seqs.append(seq)
             self.bound_modules.append(stack[-1] if stack else None)
+
+    def _output_hook_node(self, module: Any, output: Any) -> int:
+        """1 where the module's full backward hooks will wrap its output in a node after this hook has run
+        (``BackwardHookFunctionBackward``, made after every forward hook): the module's own, as is the one
+        on its inputs; else 0."""
+        import torch
+
+        if not (module._backward_pre_hooks or getattr(module, "_is_full_backward_hook", None)):
+            return 0
+        tensors = output if isinstance(output, tuple) else (output,)
+        requires_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+        return int(requires_grad and torch.is_grad_enabled())
 
     @contextlib.contextmanager
     def root_call(self) -> Iterator[None]:
