@@ -111,8 +111,8 @@ def _named_leaves(model: Any, modules: list[tuple[str, Any]]) -> dict[int, _Leaf
 
     leaves: dict[int, _Leaf] = {}
     for module_name, module in modules:
-        for param_name, param in module.named_parameters(recurse=False):
-            if id(param) not in leaves:
+        for param_name, param in module._parameters.items():  # named_parameters(recurse=False), without its generators
+            if param is not None and id(param) not in leaves:
                 name = f"{module_name}.{param_name}" if module_name else param_name
                 leaves[id(param)] = _Leaf(name, param, module_name)
     function = getattr(model, "__func__", model)
@@ -231,7 +231,13 @@ class _ModuleTracker:
         import torch
         import torch.nn as nn
 
-        compiled = [name for name, module in self._modules if isinstance(getattr(module, "_orig_mod", None), nn.Module)]
+        # (a compiled wrapper holds its original as the submodule _orig_mod: looked up there, not by a getattr()
+        # that raises inside nn.Module.__getattr__ for every other module)
+        # (a ScriptModule's _modules is no dict: it is not a compiled wrapper)
+        compiled = [
+            name for name, module in self._modules
+            if isinstance(module._modules, dict) and isinstance(module._modules.get("_orig_mod"), nn.Module)
+        ]
         holds_compiled = bool(compiled)  # torch warns of global module hooks around a compiled module
         if compiled and _compile_disabled():  # the compiled modules run their originals, eagerly: hooked as any
             compiled = []
@@ -1848,7 +1854,11 @@ def trace(
 
 def _module_type(module: Any) -> str:
     """The module's class name; a TorchScript module's is that of the class it was scripted from."""
-    return getattr(module, "original_name", None) or type(module).__name__
+    import torch
+
+    if isinstance(module, torch.jit.ScriptModule):
+        return getattr(module, "original_name", None) or type(module).__name__
+    return type(module).__name__
 
 
 def _training_flag(modules: list[tuple[str, Any]]) -> bool | None:
