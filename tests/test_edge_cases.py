@@ -910,3 +910,23 @@ def test_a_hooked_module_whose_output_needs_no_gradient_does_not_take_the_next_o
     model.frozen.register_full_backward_hook(lambda *args: None)
     result = trace(model, (torch.randn(2, 4),), input_grad=False)
     assert next(n for n in result.nodes if n.name == "MulBackward0").module == ""
+
+
+class _MakesALeaf(nn.Module):
+    """Makes a tensor that requires grad in its forward (Hugging Face T5's position bias when training)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        bias = torch.zeros(3, requires_grad=True)
+        return self.fc(x) + bias
+
+
+def test_a_leaf_made_inside_a_module_belongs_to_the_module_that_used_it():
+    model = nn.Sequential(nn.Linear(3, 3), _MakesALeaf())
+    result = trace(model, (torch.randn(2, 3),), input_grad=False)
+    unnamed = [n for n in result.nodes if n.is_leaf and n.param is None]
+    assert len(unnamed) == 1 and unnamed[0].module == "1", [(n.name, n.param, n.module) for n in result.nodes]
+    assert unnamed[0].grad_outputs[0].norm == pytest.approx((3 * 2.0**2) ** 0.5)  # d(sum)/d(bias) = 2 per element (2 rows)

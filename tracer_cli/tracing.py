@@ -1404,6 +1404,17 @@ class _TraceSession:
                     grad_outputs[at(old)] = (stat(totals[old]),)
         created_in = column({old: None if creator is None else at(creator) for old, creator in self.created_in.items()})
         nexts = self.next if every else [tuple(None if n is None else at(n) for n in self.next[old]) for old in keep]
+        # a tensor made with requires_grad inside a module in forward (T5's position bias): the module of its first
+        # user (not a reentrant checkpoint's copies of its inputs, made in backward: they say where they come from)
+        unnamed = {position for position in leaves if params[position] is None and position not in backward}
+        if unnamed:
+            users: dict[int, int] = {}
+            for position, children in enumerate(nexts):
+                for child in children:
+                    if child in unnamed and (child not in users or seqs[position] < seqs[users[child]]):
+                        users[child] = position
+            for position, user in users.items():
+                modules[position] = modules[user]
         forwards = column({old: stat(slot) for old, slot in self.forward_slots.items()})
         replays = column({old: _replay_record(record, values) for old, record in self.replays.items()})
         gradchecks = column(self.gradchecks)
