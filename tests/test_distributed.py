@@ -171,7 +171,9 @@ JOBS: dict[str, tuple[Callable[[str], list[str]], float]] = {
         lambda j: torchrun("sample_models/dist_ddp.py", "--ranks", "0", "--json", j, module=True), JOB_TIMEOUT_S
     ),
     "ddp_launcher_failon": (
-        lambda j: launcher("sample_models/dist_ddp.py", "--fail-on", "divergence,nonfinite", "--json", j),
+        lambda j: launcher(
+            "sample_models/dist_ddp.py", "--fail-on", "divergence,nonfinite", "--json", j, "--dot", j.removesuffix(".json") + ".dot"
+        ),
         JOB_TIMEOUT_S,
     ),
     "ddp_rank_seed": (lambda j: torchrun("sample_models/dist_ddp.py", "--rank-seed", "--json", j), JOB_TIMEOUT_S),
@@ -370,6 +372,8 @@ def test_json_written_note_on_stderr_is_prefixed(job):
         assert notes, f"no note that the merged file was written\n{j}"
         for line in notes:
             assert line.startswith("[rank0] "), f"stderr line without a rank prefix: {line!r}"
+    dot = job("ddp_launcher_failon").json_path.with_suffix(".dot")
+    assert dot.read_text().startswith("digraph")  # rank 0's graph, its note prefixed above
 
 
 def test_torchrun_module_invocation_and_ranks_selection(job):

@@ -859,14 +859,14 @@ def _run_single(options: _Options) -> int:
     return _verdict(findings)
 
 
-def _save_exports(options: _Options, console: Any, result: Any) -> None:
-    """--svg / --html (what the console printed) and --dot (the graph of ``result``)."""
+def _save_exports(options: _Options, console: Any, result: Any, prefix: str = "") -> None:
+    """--svg / --html (what the console printed) and --dot (the graph of ``result``: under torchrun, rank 0's)."""
     from .render.export import export_dot, export_html, export_svg
 
     makers = {"svg": lambda: export_svg(console), "html": lambda: export_html(console), "dot": lambda: export_dot(result)}
     for kind, path in options.exports.items():
         _write_file(path, makers[kind]())
-        _stderr_console().print(f"{kind} written to {path}", style="dim", markup=False)
+        _stderr_console().print(f"{prefix}{kind} written to {path}", style="dim", markup=False)
 
 
 def _check_single(options: _Options) -> int:
@@ -1123,7 +1123,7 @@ def _compare_and_show(options: _Options, documents: list[dict[str, Any]]) -> int
         for line in _rank_lines(options, console, traces, comparison):
             console.print(line, soft_wrap=True)
     _print_findings(_log_console(stderr=True) if to_stdout else console, failed, "[rank0] ")
-    _save_exports(options, console, traces[0])
+    _save_exports(options, console, traces[0], "[rank0] ")
     if options.json_path is not None and not to_stdout:
         _stderr_console().print(f"[rank0] merged trace of {len(traces)} ranks written to {options.json_path}", style="dim", markup=False)
     return _verdict(failed)
