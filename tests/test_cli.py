@@ -920,3 +920,9 @@ def test_a_run_that_fails_leaves_no_earlier_result_behind(runner, tmp_path):
     assert not stale_json.exists()
     assert invoke(runner, "check", str(model), "--junit-xml", str(stale_xml)).exit_code == 3
     assert "stale" not in (stale_xml.read_text() if stale_xml.exists() else "")
+    # a symbolic link is written through, as before, not replaced by a file
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text('{"old": true}')
+    link.symlink_to(real)
+    assert invoke(runner, "run", str(SAMPLES / "mlp.py"), "--json", str(link)).exit_code == 0
+    assert link.is_symlink() and json.loads(real.read_text())["schema"] == "gradtrace/1"

@@ -573,7 +573,9 @@ def _check_writable(path: str, option: str) -> None:
             try:
                 os.close(os.open(target, os.O_WRONLY | os.O_APPEND))
                 # what an earlier run wrote goes now: should this one fail, no stale result is left to read
-                target.unlink()
+                # (not through a symbolic link, which the write will follow: the link stays)
+                if not target.is_symlink():
+                    target.unlink()
             except FileNotFoundError:  # another rank's probe (or its removal of the old file), meanwhile
                 pass
         else:
