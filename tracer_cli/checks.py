@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 from .compare import who_differs
-from .records import Node, Trace, joint_norm
+from .records import Node, Trace, joint_norm, listed, short_name
 
 CHECKS = ("nonfinite", "nograd", "zero", "norm", "divergence", "gradcheck", "replay")
 CHECK_DEFAULT_FAILING = ("nonfinite", "nograd", "gradcheck")  # gradcheck and replay run only when asked for
@@ -315,7 +315,7 @@ def _nonfinite_finding(trace: Trace, origin: Node, reached: set[int]) -> Finding
             for n in nodes
             if not n.is_leaf and not any(side == "in" and stat.nonfinite_kind for side, _, stat in n.stats())
         ]
-        by = f" by #{maskers[0].id} {maskers[0].name.rpartition('::')[2]}" if maskers and maskers[0].id != origin.id else " further on"
+        by = f" by #{maskers[0].id} {short_name(maskers[0].name)}" if maskers and maskers[0].id != origin.id else " further on"
         detail += f"; masked{by}, so no parameter gradient shows it (a latent {kind})"
     return Finding(
         "nonfinite",
@@ -559,5 +559,4 @@ def _owner(param: str, modules: dict[str, str] | None = None) -> str | None:
 
 
 def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:_LISTED])
-    return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
+    return listed(names, _LISTED)

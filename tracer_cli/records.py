@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 SCHEMA = "gradtrace/1"
 
@@ -283,7 +283,7 @@ class Node(NamedTuple):
 
     def label(self) -> str:
         """``name`` with the parameter or module, for messages (``torch::autograd::`` left out)."""
-        name = self.name.rpartition("::")[2]
+        name = short_name(self.name)
         if self.param is not None:
             return f"{name} ({self.param})"
         if self.module is not None:
@@ -340,6 +340,16 @@ class Node(NamedTuple):
             replay=Replay.from_dict(data["replay"]) if data.get("replay") else None,
             gradcheck=Gradcheck.from_dict(data["gradcheck"]) if data.get("gradcheck") else None,
         )
+
+
+def short_name(name: str) -> str:
+    """``torch::autograd::AccumulateGrad`` → ``AccumulateGrad``."""
+    return name.rsplit("::", 1)[-1]
+
+
+def listed(items: Sequence[str], limit: int) -> str:
+    """``"a, b, c and 4 more"``: the first ``limit`` items, then how many are left out."""
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 # backward nodes of ops whose output holds values of their input (or none): they cannot make a NaN or an
@@ -548,7 +558,7 @@ class Trace:
         unseen = self.unrecorded_before(node)
         if not unseen:
             return ""
-        names = ", ".join(f"#{n.id} {n.name.rpartition('::')[2]}" for n in unseen[:8]) + (f" and {len(unseen) - 8} more" if len(unseen) > 8 else "")
+        names = listed([f"#{n.id} {short_name(n.name)}" for n in unseen], 8)
         return f", or in an op before it whose value is not recorded (made inside one call seen as a whole: {names})"
 
     @staticmethod

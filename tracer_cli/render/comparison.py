@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..compare import who_differs
-from ..records import decode_float
+from ..records import decode_float, listed
 from .tree import format_norm, short_name
 
 
@@ -61,8 +61,7 @@ def render_comparison(comparison: dict[str, Any]) -> RenderableType:
         parts.append(text)
         parts.append(Text(_KIND_HELP[first["kind"]], style="dim"))
     if unsynchronized:  # not averaged across ranks (no DDP), or what the origin above led to
-        more = len(unsynchronized) - 8
-        shown = ", ".join(unsynchronized[:8]) + (f" and {more} more" if more > 0 else "")
+        shown = listed(unsynchronized, 8)
         parts.append(Text(f"parameter gradients that differ across ranks after backward: {shown}", style="yellow"))
     if comparison.get("note"):
         parts.append(Text(comparison["note"], style="yellow"))

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from ..records import GradStat, Node, Trace
+from ..records import GradStat, Node, Trace, listed, short_name
 
 VIEWS = ("modules", "graph")
 DEFAULT_MAX_NODES = 200
@@ -53,11 +53,6 @@ class TreeOptions:
     pattern: str | None = None
     marks: Mapping[int, str] = field(default_factory=dict)
     show_stack: bool = False
-
-
-def short_name(name: str) -> str:
-    """``torch::autograd::AccumulateGrad`` → ``AccumulateGrad``."""
-    return name.rsplit("::", 1)[-1]
 
 
 def format_norm(norm: float | None) -> str:
@@ -476,7 +471,7 @@ def render_summary(trace: Trace) -> Table:
     table.add_row("loss", loss)
     if meta.inputs:  # the tensors forward was called with, in the -i grammar: what -i or example_inputs() gave
         specs = [f"{i.name} {i.dtype}[{','.join(map(str, i.shape))}]" for i in meta.inputs]
-        table.add_row("inputs", ", ".join(specs[:6]) + (f" and {len(specs) - 6} more" if len(specs) > 6 else ""))
+        table.add_row("inputs", listed(specs, 6))
     nonfinite = trace.nonfinite_nodes()
     origin = trace.nonfinite_origin()
     made = trace.forward_nonfinite_origin()
@@ -514,7 +509,7 @@ def render_summary(trace: Trace) -> Table:
     )
     if trace.params_without_grad:
         names = list(trace.params_without_grad)
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        shown = listed(names, 8)
         table.add_row("no gradient", Text(f"{shown}  (parameters that require grad but received none)", style="yellow"))
     if meta.timings_s:
         t = meta.timings_s
