@@ -415,8 +415,8 @@ def _execute(ctx: typer.Context) -> int:
     nproc_per_node = ctx.params["nproc_per_node"]
     try:
         options = _options(ctx)
-        world_size = nproc_per_node if nproc_per_node is not None else info.world_size if info is not None else None
-        if world_size is not None and world_size >= 1:  # --ranks beyond the job: said before any rank traces
+        world_size = nproc_per_node or (info.world_size if info is not None else 0)
+        if world_size > 0:  # --ranks beyond the job: said before any rank traces
             _selected_ranks(options.ranks, world_size)
     except UsageError:
         if info is not None and info.rank != 0 and nproc_per_node is None:
@@ -1036,19 +1036,19 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
             error = ModelError(
                 f"rank 0 did not answer within --timeout {options.timeout:g} s: it waited for a rank that hangs "
                 "(rank 0's error names it), or hangs itself",
-                hint="raise --timeout if a rank is only slow; a rank that hangs is stopped when this one exits",
+                hint=_SLOW_RANK_HINT,
             )
         elif echo and missing:
             error = ModelError(
                 f"{_ranks_text(missing)} did not finish tracing within --timeout {options.timeout:g} s (hung, or "
                 "that much slower than the others)",
-                hint="raise --timeout if a rank is only slow; a rank that hangs is stopped when this one exits",
+                hint=_SLOW_RANK_HINT,
             )
         elif echo and _timed_out(error):  # no rank failed: one is slow, or stuck
             error = ModelError(
                 f"another rank did not answer within --timeout {options.timeout:g} s (it hangs, or is that much "
                 f"slower): {error}",
-                hint="raise --timeout if a rank is only slow; a rank that hangs is stopped when this one exits",
+                hint=_SLOW_RANK_HINT,
             )
         elif echo:  # not this rank's fault: say so, and let the failing rank be seen first
             error = ModelError(
@@ -1073,6 +1073,9 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe: the exit code still says it
             pass
     os._exit(int(code))
+
+
+_SLOW_RANK_HINT = "raise --timeout if a rank is only slow; a rank that hangs is stopped when this one exits"
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -231,9 +231,8 @@ class _ModuleTracker:
         import torch
         import torch.nn as nn
 
-        # (a compiled wrapper holds its original as the submodule _orig_mod: looked up there, not by a getattr()
-        # that raises inside nn.Module.__getattr__ for every other module)
-        # (a ScriptModule's _modules is no dict: it is not a compiled wrapper)
+        # a compiled wrapper holds its original as the submodule _orig_mod: looked up there, not by a getattr() that
+        # raises inside nn.Module.__getattr__ for every other module (a ScriptModule's _modules is no dict, nor a wrapper)
         compiled = [
             name for name, module in self._modules
             if isinstance(module._modules, dict) and isinstance(module._modules.get("_orig_mod"), nn.Module)
