@@ -411,6 +411,35 @@ def test_replay_of_a_node_with_an_empty_gradient():
     assert cat.replay.reproducible is True, cat.replay
 
 
+class _TwoOutputs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2, x[:2] * 3
+
+    @staticmethod
+    def backward(ctx, first, second):  # written for materialized gradients: `second` is never None
+        grad = first * 2
+        grad[:2] += second * 3
+        return grad
+
+
+def test_replay_hands_a_custom_backward_zeros_for_an_unused_output_as_the_engine_does():
+    result = trace(lambda x: _TwoOutputs.apply(x)[0].sum(), torch.randn(5), replay=True)
+    (node,) = result.find("_TwoOutputsBackward")
+    assert node.grad_outputs[1] is None  # what the engine's hooks see; the backward itself got zeros
+    assert node.replay.reproducible is True, node.replay
+
+
+def test_replay_of_a_node_that_makes_the_same_nan_again_is_reproducible():
+    """sqrt's backward at 0 gives inf, and where() turns the unused branch's inf * 0 into NaN: the same each time."""
+    x = torch.tensor([0.0, 1.0, 4.0, 0.0])
+    result = trace(lambda x: torch.where(x > 0, x.sqrt(), torch.zeros_like(x)).sum(), x, replay=True)
+    (sqrt,) = result.find("SqrtBackward0")
+    assert sqrt.nonfinite_kind == "nan"
+    judged = [n for n in result.nodes if n.replay is not None and n.replay.reproducible is not None]
+    assert sqrt in judged and all(n.replay.reproducible for n in judged), [(n.name, n.replay) for n in judged]
+
+
 class _Hooked(nn.Module):
     """Three ways a user's hook changes what a node sends on: a node post hook, a module's full backward
     hook, and one that only looks."""
@@ -607,20 +636,17 @@ def test_dot_has_one_box_per_node_and_an_edge_per_next_function():
 
 
 def test_diff_does_not_say_agree_when_parameter_gradients_differ():
-    """Every node agrees, but a post-accumulate-grad hook scales one run's ``.grad``: not "the traces agree"."""
+    """Every node agrees, but one run's ``.grad`` differs afterwards (as where DDP failed to average it): not
+    "the traces agree"."""
+    from dataclasses import replace
+
     from tracer_cli.compare import compare
     from tracer_cli.render.diff import render_diff
 
-    def run(scale):
-        def scale_grad(parameter):
-            parameter.grad.mul_(scale)
-
-        torch.manual_seed(0)
-        model = nn.Linear(4, 2)
-        model.weight.register_post_accumulate_grad_hook(scale_grad)
-        return trace(model, torch.ones(3, 4), forward_stats=True)
-
-    a, b = run(1.0), run(3.0)
+    torch.manual_seed(0)
+    a = trace(nn.Linear(4, 2), torch.ones(3, 4), forward_stats=True)
+    scaled = tuple((name, stat._replace(norm=stat.norm * 3.0) if name == "weight" else stat) for name, stat in a.param_grads)
+    b = replace(a, param_grads=scaled)
     comparison = compare([a, b])
     assert comparison["first_divergent"] is None and comparison["unsynchronized_params"] == ["weight"]
     console = Console(width=200, color_system=None)

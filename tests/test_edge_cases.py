@@ -524,6 +524,28 @@ def test_complex_output_without_loss_fn_says_so():
     assert result.leaf("input:0").grad_norm > 0
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # nested tensors are a prototype
+def test_an_output_the_rule_cannot_reduce_is_a_model_error_with_a_hint():
+    from tracer_cli.errors import ModelError
+
+    with pytest.raises(ModelError) as caught:
+        trace(lambda x: torch.nested.nested_tensor([x[:2], x[2:]]), torch.randn(5, 4))
+    assert "could not be reduced to a loss" in caught.value.message and "loss_fn" in caught.value.hint
+    assert len(caught.value.message) < 400
+
+
+def test_the_input_hint_comes_only_with_errors_that_inputs_can_cause():
+    def misspelled(x):
+        return x.sum() + undefined_name  # noqa: F821
+
+    with pytest.raises(UserCodeError) as caught:
+        trace(misspelled, torch.randn(2, 4))
+    assert caught.value.hint is None
+    with pytest.raises(UserCodeError) as caught:
+        trace(nn.Linear(3, 2), torch.randn(2, 4))
+    assert "input:0 float32[2, 4]" in caught.value.hint
+
+
 def test_zero_dim_output_is_the_loss():
     result = trace(lambda x: (x * 3).mean(), (torch.ones(4),))
     assert result.nodes[0].name == "MeanBackward0"

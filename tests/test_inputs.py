@@ -486,3 +486,26 @@ def test_other_extensions(tmp_path, name):
     path.write_text("[]")
     with pytest.raises(UsageError, match=r"must end in \.pt .* or \.json"):
         load_inputs_file(path)
+
+
+def test_tensors_in_a_dataclass_or_a_dict_subclass_input_get_gradients_and_names():
+    import dataclasses
+    from collections import OrderedDict
+
+    from tracer_cli import trace
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        scale: float = 2.0
+
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    by_dataclass = trace(lambda batch: fc(batch.x * batch.scale), Batch(x))
+    by_ordered = trace(lambda batch: fc(batch["x"]) if isinstance(batch, OrderedDict) else None, OrderedDict(x=x))
+    expected = (fc.weight.detach().sum(0) * 2.0).expand(3, 4).norm()  # d(sum(fc(2x)))/dx
+    assert [i.name for i in by_dataclass.meta.inputs] == ["input:0.x"]
+    assert by_dataclass.leaf("input:0.x").grad_norm == pytest.approx(float(expected), rel=1e-6)
+    assert by_ordered.leaf("input:0.x").grad_norm == pytest.approx(float(expected) / 2.0, rel=1e-6)
+    assert not x.requires_grad  # the caller's tensor is not changed

@@ -220,21 +220,29 @@ def test_non_finite_values_survive_batching():
 
 
 @pytest.mark.parametrize("size", [16, 40000], ids=["small", "large"])
-def test_a_post_accumulate_grad_hook_that_changes_grad_does_not_change_what_arrived(size):
-    """An optimizer step in backward: the hook scales .grad in place after AccumulateGrad stored it, which is
-    the very tensor that arrived. The leaf's grad is what arrived (a tensor hook's view of it); param_grads
-    is .grad as backward left it."""
+def test_a_post_accumulate_grad_hook_is_held_back_during_the_trace(size):
+    """An optimizer step in backward (a hook that changes .grad and the parameter in place): the trace does not
+    take it. The leaf's grad and param_grads are what arrived (a tensor hook's view of it); the hook is still
+    there afterwards and runs in the user's own backward."""
     torch.manual_seed(0)
     model = torch.nn.Linear(size, 1)
+    steps = []
 
     def optimizer_step(param):
+        steps.append(1)
         param.grad.mul_(0.001)
+        with torch.no_grad():
+            param.sub_(param.grad)
 
     model.weight.register_post_accumulate_grad_hook(optimizer_step)
+    weight = model.weight.detach().clone()
     x = torch.randn(2, size)
     result = trace(model, (x,), loss_fn=lambda out: out.pow(2).sum(), input_grad=False)
+    assert steps == [] and torch.equal(model.weight, weight)
     arrived = []
     model.weight.register_hook(lambda grad: arrived.append(float(grad.double().norm())))
     model(x).pow(2).sum().backward()
+    assert steps == [1]
     assert result.leaf("weight").grad_norm == pytest.approx(arrived[0], rel=1e-5, abs=0)
-    assert dict(result.param_grads)["weight"].norm == pytest.approx(arrived[0] * 0.001, rel=1e-5, abs=0)
+    assert dict(result.param_grads)["weight"].norm == pytest.approx(arrived[0], rel=1e-5, abs=0)
+    assert float(model.weight.grad.double().norm()) == pytest.approx(arrived[0] * 0.001, rel=1e-5)

@@ -339,8 +339,9 @@ def test_param_grads_are_the_grads_after_backward():
 
 
 def test_param_grads_changed_after_accumulation_are_read_again():
-    """Where .grad can differ from what AccumulateGrad received (a post-accumulate-grad hook changes it, or
-    a parameter is accumulated twice through a reentrant checkpoint), it is read again, not reused."""
+    """Where .grad can differ from what AccumulateGrad received (a parameter accumulated twice through a
+    reentrant checkpoint), it is read again, not reused. A post-accumulate-grad hook is held back: .grad is
+    what arrived."""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
@@ -363,10 +364,11 @@ def test_param_grads_changed_after_accumulation_are_read_again():
         p.grad = None
     model(x.clone().requires_grad_()).backward()
     recorded = dict(result.param_grads)
-    for name, param in (("scaled.weight", scaled.weight), ("shared.weight", shared.weight), ("shared.bias", shared.bias)):
+    for name, param in (("shared.weight", shared.weight), ("shared.bias", shared.bias)):
         assert recorded[name].norm == pytest.approx(float(param.grad.norm()), rel=1e-6), name
     received = result.leaf("scaled.weight").grad_outputs[0].norm
-    assert recorded["scaled.weight"].norm == pytest.approx(10.0 * received, rel=1e-6)
+    assert recorded["scaled.weight"].norm == pytest.approx(received, rel=1e-6)
+    assert float(scaled.weight.grad.norm()) == pytest.approx(10.0 * received, rel=1e-6)  # the user's backward ran it
 
 
 def test_sources_are_the_user_lines_that_created_each_node():
@@ -746,3 +748,144 @@ def test_nodes_gradtrace_itself_makes_have_no_creation_site():
         root, mul = result.nodes[0], result.find("MulBackward0")[0]
         assert root.name == "SumBackward0" and root.source is None and root.stack is None
         assert mul.source.endswith(f"test_tracing.py:{model.__code__.co_firstlineno + 1}")
+
+
+# A plain function's modules and leaf tensors are those its code reaches, not every global of its file.
+_encoder = nn.Linear(4, 4)
+_scale = nn.Parameter(torch.ones(4))
+_unrelated = nn.Linear(16, 2)  # another model in the same file (a notebook's, a test file's)
+_scratch = torch.randn(3, requires_grad=True)
+
+
+def _scaled_encoder(x):
+    return _encoder(x) * _scale
+
+
+def _through_helper(x):
+    return _scaled_encoder(x).pow(2).sum()
+
+
+def test_a_plain_function_takes_only_the_modules_and_tensors_its_code_reaches():
+    x = torch.randn(2, 4)
+    result = trace(_through_helper, x)
+    assert result.meta.module_types == {"_encoder": "Linear"}
+    assert result.params_without_grad == ()
+    for param in (_encoder.weight, _encoder.bias, _scale):
+        param.grad = None
+    _through_helper(x).backward()
+    expected = {"_encoder.weight": _encoder.weight, "_encoder.bias": _encoder.bias, "_scale": _scale}
+    assert set(result.parameter_grad_norms()) == set(expected)
+    for name, param in expected.items():
+        assert result.parameter_grad_norms()[name] == pytest.approx(float(param.grad.norm()), rel=1e-6)
+        param.grad = None
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.unused = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x, scale=1.0):
+        return self.fc(x) * scale
+
+
+class _Task:  # a plain (not nn.Module) object holding the model, Lightning-style
+    def __init__(self, model):
+        self.model = model
+
+    def step(self, x):
+        return self.model(x).sum()
+
+
+def test_a_partial_and_a_bound_method_of_a_plain_object_name_the_model_inside():
+    import functools
+
+    model = _TwoLayers()
+    partial = trace(functools.partial(model, scale=2.0), torch.randn(3, 4))
+    assert partial.meta.module_types == {"": "_TwoLayers", "fc": "Linear", "unused": "Linear"}
+    assert partial.params_without_grad == ("unused.weight", "unused.bias")
+    assert {n.param for n in partial if n.is_leaf} == {"fc.weight", "fc.bias", "input:0"}
+    method = trace(_Task(model).step, torch.randn(3, 4))
+    assert method.params_without_grad == ("model.unused.weight", "model.unused.bias")
+    assert {n.param for n in method if n.is_leaf} == {"model.fc.weight", "model.fc.bias", "input:0"}
+
+
+_thread_a = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+_thread_b = nn.Linear(8, 1)
+
+
+def _model_a(x):
+    return _thread_a(x).sum()
+
+
+def _model_b(x):
+    return _thread_b(x).pow(2).sum()
+
+
+def test_two_threads_tracing_two_plain_functions_do_not_touch_each_others_parameters():
+    """Each trace sets the .grad of its model's parameters aside while it runs: a function's model is only
+    what its code reaches, so two functions of one file traced at once leave each other alone."""
+    import threading
+
+    inputs = torch.randn(16, 8)
+    expected = {}
+    for fn, owner, prefix in ((_model_a, _thread_a, "_thread_a"), (_model_b, _thread_b, "_thread_b")):
+        fn(inputs).backward()
+        expected[fn] = {f"{prefix}.{param}": float(p.grad.norm()) for param, p in owner.named_parameters()}
+        owner.zero_grad(set_to_none=True)
+    wrong: list[str] = []
+
+    def run(fn):
+        for _ in range(20):
+            grads = trace(fn, inputs).parameter_grad_norms()
+            wrong.extend(f"{fn.__name__} {param}" for param, norm in expected[fn].items() if grads.get(param) != pytest.approx(norm, rel=1e-5))
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in (_model_a, _model_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+
+
+def test_a_trace_between_the_callers_forward_and_backward_leaves_that_backward_as_it_would_be():
+    """BatchNorm saved its running statistics for the caller's backward: putting them back after the trace's
+    forward must not look like an in-place change to autograd."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    twin = copy.deepcopy(model)
+    x = torch.randn(16, 4)
+    loss = model(x).pow(2).mean()
+    trace(model, x)
+    loss.backward()
+    twin(x).pow(2).mean().backward()
+    for (name, param), twin_param in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(param.grad, twin_param.grad), name
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, twin.get_buffer(name)), name
+
+
+def test_an_input_made_by_the_callers_graph_is_detached_so_the_trace_stops_there():
+    torch.manual_seed(0)
+    encoder, head = nn.Linear(4, 4), nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    hidden = encoder(x)
+    result = trace(head, hidden)
+    assert {n.param for n in result if n.is_leaf} == {"weight", "bias", "input:0"}
+    expected = head.weight.detach().sum(0).expand(3, 4)  # d(sum(head(h)))/dh: each row is the column sums of head.weight
+    assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(float(expected.norm()), rel=1e-6)
+    assert encoder.weight.grad is None
+    head(hidden).sum().backward()  # the caller's graph is still there
+    assert encoder.weight.grad is not None
+
+
+def test_a_trace_shows_itself_in_one_line_in_a_repl():
+    """A notebook shows repr(trace): a line that says what matters, not every node of a large model."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(40)])
+    result = trace(model, torch.randn(2, 8))
+    text = repr(result)
+    assert "\n" not in text and len(text) < 200 and f"nodes={len(result.nodes)}" in text
+    broken = trace(lambda x: x.log().sum(), torch.tensor([0.0, 1.0]))
+    assert "nonfinite=2 (first: #1 LogBackward0)" in repr(broken)

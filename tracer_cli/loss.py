@@ -104,10 +104,20 @@ def compute_loss(
             "differentiate",
             hint="define loss_fn(output) in the model file, or return a tensor",
         )
-    terms = [t.sum() if reduction == "sum" else t.mean() for _, t in chosen]
-    loss = terms[0]
-    for term in terms[1:]:
-        loss = loss + term
     paths = ", ".join(path for path, _ in chosen)
+    try:
+        terms = [t.sum() if reduction == "sum" else t.mean() for _, t in chosen]
+        loss = terms[0]
+        for term in terms[1:]:
+            loss = loss + term
+        loss = _as_scalar(loss, f"the .{reduction}() of {paths}")
+    except ModelError:
+        raise
+    except Exception as exc:  # a tensor type without a plain .sum() (a nested tensor), or terms on several devices
+        raise ModelError(
+            f"the output could not be reduced to a loss ({paths}.{reduction}() raised {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:160] if str(exc) else ''})",
+            hint="define loss_fn(output) in the model file (trace(..., loss_fn=...)) returning a scalar tensor",
+        ) from exc
     rule = f"{paths}.{reduction}()" if len(chosen) == 1 else f"sum of .{reduction}() over {paths}"
     return loss, rule

@@ -453,6 +453,18 @@ class Trace:
     def __len__(self) -> int:
         return len(self.nodes)
 
+    def __repr__(self) -> str:
+        """One line, whatever the size (a REPL or a notebook shows it); the tree is ``gradtrace run``'s."""
+        ran = sum(1 for n in self.nodes if n.order is not None)
+        parts = [f"target={self.meta.target!r}", f"nodes={len(self.nodes)}", f"ran={ran}", f"loss={self.meta.loss!r}"]
+        nonfinite = self.nonfinite_nodes()
+        if nonfinite:
+            origin = self.nonfinite_origin() or nonfinite[0]
+            parts.append(f"nonfinite={len(nonfinite)} (first: #{origin.id} {origin.name})")
+        if self.params_without_grad:
+            parts.append(f"params_without_grad={len(self.params_without_grad)} ({listed(self.params_without_grad, 3)})")
+        return f"Trace({', '.join(parts)})"
+
     def __getitem__(self, node_id: int) -> Node:
         return self.nodes[node_id]
 
@@ -475,7 +487,11 @@ class Trace:
         for node in self.nodes:
             if node.param == param:
                 return node
-        raise KeyError(param)
+        names = [node.param for node in self.nodes if node.param is not None]
+        raise KeyError(
+            f"no leaf named {param!r} (a parameter that several modules share is named once, by its first "
+            f"name); the leaves: {listed(names, 8) or 'none'}"
+        )
 
     def parameter_grad_norms(self) -> dict[str, float]:
         """Each parameter's gradient norm, by name: its ``.grad`` after backward (under DDP, averaged

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import copy
+import dataclasses
 import functools
 import gc
 import itertools
@@ -57,38 +59,87 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def named_modules_of(model: Any) -> list[tuple[str, Any]]:
-    """The modules a model is made of, with their dotted names.
+def _reachable(model: Any) -> list[tuple[str, Any]]:
+    """Named values a plain callable's code can reach, where its modules and leaf tensors are looked for:
+    a ``functools.partial``'s arguments and function, a bound method's ``self`` (its attributes), a
+    callable object's attributes, closure cells, and the module-level globals its code names (the
+    code of the functions, nested functions and lambdas it defines included, and of the functions of
+    the same file it calls, transitively). Not every global of its file: a notebook's or a test file's
+    other models are not part of it."""
+    import types
 
-    An ``nn.Module`` is the root ``""``. A plain callable's modules are found
-    where its code can reach them: a bound method's ``self``, the attributes of a
-    callable object, closure cells, and the module-level globals of the file that
-    defines the function (each named by its variable).
-    """
-    import torch.nn as nn
-
-    if isinstance(model, nn.Module):
-        return list(model.named_modules())
+    found: list[tuple[str, Any]] = []
+    while isinstance(model, functools.partial):
+        found += [(f"arg{i}", value) for i, value in enumerate(model.args)] + list(model.keywords.items())
+        model = model.func
     owner = getattr(model, "__self__", None)
-    if isinstance(owner, nn.Module):
-        return list(owner.named_modules())
+    if owner is not None and not isinstance(owner, types.ModuleType) and hasattr(owner, "__dict__"):
+        found += list(vars(owner).items())
     function = getattr(model, "__func__", model)
-    candidates: list[tuple[str, Any]] = []
-    if not hasattr(function, "__code__") and hasattr(model, "__dict__"):
-        candidates += list(vars(model).items())  # a callable object
+    if not hasattr(function, "__code__") and hasattr(function, "__dict__"):  # a callable object
+        found += list(vars(function).items())
+        function = getattr(type(function).__call__, "__func__", type(function).__call__)
     code = getattr(function, "__code__", None)
     for name, cell in zip(getattr(code, "co_freevars", ()), getattr(function, "__closure__", None) or ()):
         try:
-            candidates.append((name, cell.cell_contents))
+            found.append((name, cell.cell_contents))
         except ValueError:  # an empty cell
             pass
-    candidates += list((getattr(function, "__globals__", None) or {}).items())
+    module_globals = getattr(function, "__globals__", None)
+    if code is None or not isinstance(module_globals, dict):
+        return found
+    codes, seen_codes, names = [code], {code}, {}
+    while codes:  # the names each code object uses; its nested code objects; the same file's functions it names
+        current = codes.pop()
+        for const in current.co_consts:
+            if isinstance(const, types.CodeType) and const not in seen_codes:
+                seen_codes.add(const)
+                codes.append(const)
+        for name in _global_names(current):
+            if name in names or name not in module_globals:
+                continue
+            value = names[name] = module_globals[name]
+            inner = getattr(value, "__code__", None)
+            if getattr(value, "__globals__", None) is module_globals and inner is not None and inner not in seen_codes:
+                seen_codes.add(inner)
+                codes.append(inner)
+    taken = {name for name, _ in found}
+    return found + [(name, value) for name, value in names.items() if name not in taken]
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: Any) -> tuple[str, ...]:
+    """The global names a code object loads (``co_names`` also holds attribute names: ``self.model``)."""
+    import dis
+
+    return tuple(dict.fromkeys(op.argval for op in dis.get_instructions(code) if op.opname in ("LOAD_GLOBAL", "LOAD_NAME")))
+
+
+def named_modules_of(model: Any) -> list[tuple[str, Any]]:
+    """The modules a model is made of, with their dotted names.
+
+    An ``nn.Module`` is the root ``""`` (also behind a ``functools.partial``, or as a bound method's
+    ``self``). A plain callable's modules are found where its code can reach them (see
+    :func:`_reachable`), each named by its variable or attribute.
+    """
+    import torch.nn as nn
+
+    root = model
+    while isinstance(root, functools.partial) and not root.args and not root.keywords:
+        root = root.func
+    if isinstance(root, functools.partial) and isinstance(root.func, nn.Module):
+        root = root.func  # partial(model, scale=2.0): the arguments are not part of it
+    if isinstance(root, nn.Module):
+        return list(root.named_modules())
+    owner = getattr(root, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return list(owner.named_modules())
     seen: set[int] = set()
     found: list[tuple[str, Any]] = []
-    for root_name, root in candidates:
-        if not isinstance(root, nn.Module) or root_name.startswith("__"):
+    for root_name, value in _reachable(model):
+        if not isinstance(value, nn.Module) or root_name.startswith("__"):
             continue
-        for sub_name, module in root.named_modules():
+        for sub_name, module in value.named_modules():
             if id(module) not in seen:
                 seen.add(id(module))
                 found.append((f"{root_name}.{sub_name}" if sub_name else root_name, module))
@@ -104,8 +155,8 @@ class _Leaf(NamedTuple):
 def _named_leaves(model: Any, modules: list[tuple[str, Any]]) -> dict[int, _Leaf]:
     """``id(tensor) -> _Leaf`` for every parameter of the model.
 
-    A plain callable's module-level leaf tensors that require grad count too,
-    named by variable and owned by no module.
+    A plain callable's leaf tensors that require grad, where its code can reach them (module-level
+    globals it names, closure cells), count too, named by variable and owned by no module.
     """
     import torch
 
@@ -115,10 +166,10 @@ def _named_leaves(model: Any, modules: list[tuple[str, Any]]) -> dict[int, _Leaf
             if param is not None and id(param) not in leaves:
                 name = f"{module_name}.{param_name}" if module_name else param_name
                 leaves[id(param)] = _Leaf(name, param, module_name)
-    function = getattr(model, "__func__", model)
-    for name, value in (getattr(function, "__globals__", None) or {}).items():
-        if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf and id(value) not in leaves:
-            leaves[id(value)] = _Leaf(name, value, None)
+    if not isinstance(model, torch.nn.Module):
+        for name, value in _reachable(model):
+            if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf and id(value) not in leaves:
+                leaves[id(value)] = _Leaf(name, value, None)
     return leaves
 
 
@@ -153,8 +204,12 @@ def _restore_buffers(saved: list[tuple[Any, str, Any, Any]]) -> None:
                     module._buffers[name] = buffer
                 # compared (strided ones; torch.equal takes no other), not told by the version counter:
                 # batch_norm updates its running statistics in place without bumping it
-                if buffer.layout is not torch.strided or not torch.equal(buffer, copy):
-                    buffer.copy_(copy)
+                # through .data, which leaves the version counter as it is: a backward of the caller's still
+                # pending (trace() called between their forward and backward) saved these very buffers
+                if buffer.layout is not torch.strided:
+                    buffer.copy_(copy)  # (a sparse tensor's .data is not the same tensor)
+                elif not torch.equal(buffer, copy):
+                    buffer.data.copy_(copy)
             except Exception:  # e.g. an inference tensor, which cannot be written outside inference mode
                 pass
 
@@ -170,6 +225,8 @@ def _prepare_inputs(args: tuple, kwargs: dict, input_grad: bool) -> tuple[tuple,
         if isinstance(value, torch.Tensor):
             if value.is_inference():  # made under inference_mode(): autograd refuses it, a copy is a tensor like any
                 value = value.clone()
+            elif value.grad_fn is not None:  # part of the caller's graph: the backward stops at the model's input
+                value = value.detach()
             if input_grad and value.is_leaf and not value.requires_grad and (value.is_floating_point() or value.is_complex()):
                 value = value.detach().requires_grad_()
             names[id(value)] = name
@@ -179,8 +236,19 @@ def _prepare_inputs(args: tuple, kwargs: dict, input_grad: bool) -> tuple[tuple,
             return value._make(prepare(item, f"{name}.{field}") for field, item in zip(value._fields, value))
         if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
             return type(value)(prepare(item, f"{name}.{i}") for i, item in enumerate(value))
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a batch object (before dict: ModelOutput is both)
+            fields = [field.name for field in dataclasses.fields(value) if field.init]
+            try:
+                return dataclasses.replace(value, **{field: prepare(getattr(value, field), f"{name}.{field}") for field in fields})
+            except Exception:  # its __init__ or __post_init__ refuses a copy: passed as it is
+                return value
         if isinstance(value, dict):
-            return {key: prepare(item, f"{name}.{key}") for key, item in value.items()}
+            prepared = {key: prepare(item, f"{name}.{key}") for key, item in value.items()}
+            if type(value) is dict:
+                return prepared
+            copied = copy.copy(value)  # an OrderedDict, a defaultdict: the same type
+            copied.update(prepared)
+            return copied
         return value
 
     new_args = tuple(prepare(value, f"input:{i}") for i, value in enumerate(args))
@@ -1234,7 +1302,7 @@ class _TraceSession:
         try:
             with torch.no_grad():
                 if isinstance(node, self._custom_type):
-                    again = node.apply(*grad_outputs)
+                    again = node.apply(*_materialized(node, grad_outputs))
                     again = again if isinstance(again, tuple) else (again,)
                     call = self.custom_calls.get(id(node))
                     if call is not None and call[0] is node:  # keep the gradients of tensor arguments
@@ -1260,8 +1328,10 @@ class _TraceSession:
                         replayed = replayed.to(original.dtype)
                     if original.numel() == 0:  # nothing to differ (HF's cache concatenates empty tensors)
                         continue
-                    diffs.append((replayed - original).abs().max().to(torch.float64))
-                    scales.append(original.abs().max().to(torch.float64))
+                    # the same NaN, or the same infinity, again is no difference; the scale is of finite elements
+                    same = (replayed == original) | (replayed.isnan() & original.isnan())
+                    diffs.append(torch.where(same, 0, (replayed - original).abs()).max().to(torch.float64))
+                    scales.append(torch.where(original.isfinite(), original.abs(), 0).max().to(torch.float64))
                 if not diffs:
                     return (None, None, "no gradient to compare")
                 hooks = self.hook_dicts.get(node_id)
@@ -1610,6 +1680,20 @@ def _column(length: int, values: dict[int, Any]) -> Any:
     return column
 
 
+def _materialized(node: Any, grad_outputs: tuple) -> tuple:
+    """A custom Function's gradients as the engine hands them to its backward: zeros for an unused output
+    (``ctx.set_materialize_grads`` is on by default; a backward written for None handles zeros alike)."""
+    if all(grad is not None for grad in grad_outputs):
+        return grad_outputs
+    import torch
+
+    metadata = node._input_metadata
+    return tuple(
+        torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device) if grad is None and meta.shape is not None else grad
+        for grad, meta in zip(grad_outputs, metadata)
+    )
+
+
 def _replay_record(pending: tuple | None, norms: list[float | None]) -> Replay | None:
     if pending is None:
         return None
@@ -1717,7 +1801,10 @@ def trace(
         loss_reduction: "sum" or "mean" for that fallback rule.
         input_grad: give floating-point input tensors ``requires_grad`` (through
             new aliases; the caller's tensors are not changed) so their gradients
-            appear as ``input:N`` leaves.
+            appear as ``input:N`` leaves. An input that is part of the caller's
+            graph (made by ops on tensors that require grad) is detached first:
+            the backward stops at the model's inputs, and the caller's graph is
+            left for the caller's own backward.
         train: ``True``/``False`` to run in train/eval mode; ``None`` keeps the mode
             the model is in. The mode is restored afterwards.
         target: how to name the model in ``meta.target``.
@@ -1746,7 +1833,9 @@ def trace(
     The model is left as it was found: each parameter's ``.grad`` (gradients of this
     backward are recorded, then discarded), each module's training flag, and each
     module's buffers (BatchNorm's running statistics, which a forward in train mode
-    updates) as they were before forward.
+    updates) as they were before forward. Post-accumulate-grad hooks (an optimizer
+    step in backward) are held back while the trace's backward runs, so they take no
+    step; ``param_grads`` is each ``.grad`` as accumulated, before any such hook.
     """
     import torch
 
@@ -1760,6 +1849,7 @@ def trace(
     session = _TraceSession(leaves, input_names, tracker)
     training = [(module, module.training) for _, module in modules]
     saved_buffers = _saved_buffers(modules)
+    held_hooks: list[tuple[dict, dict]] = []  # a leaf's post-accumulate-grad hooks, held back during backward
     # each parameter's .grad as the caller left it, before forward: a loss_fn may run a backward of its own
     saved_grads: dict[int, tuple[Any, Any]] = {id(leaf.tensor): (leaf.tensor, leaf.tensor.grad) for leaf in leaves.values()}
     # A trace allocates many small objects while the graph holds many more: generational
@@ -1814,6 +1904,11 @@ def trace(
                 saved_grads[id(variable)] = (variable, variable.grad)
         for tensor, _ in saved_grads.values():
             tensor.grad = None
+        for node_id in session.leaf_ids:  # an optimizer step in backward: the trace must not take it
+            hooks = getattr(session.nodes[node_id].variable, "_post_accumulate_grad_hooks", None)
+            if hooks:
+                held_hooks.append((hooks, dict(hooks)))
+                hooks.clear()
         backward_start = time.perf_counter()
         try:
             loss.backward()
@@ -1850,6 +1945,11 @@ def trace(
         tracker.stop_recording()
         session.close()
         tracker.remove()
+        for hooks, held in held_hooks:
+            added = dict(hooks)  # none, unless a hook of the user's registered one meanwhile
+            hooks.clear()
+            hooks.update(held)
+            hooks.update(added)
         _restore_buffers(saved_buffers)
         for tensor, grad in saved_grads.values():
             tensor.grad = grad
@@ -1904,10 +2004,14 @@ def _input_hint(infos: list[InputInfo], exc: BaseException, input_grad: bool) ->
             "changes an input in place, or sets requires_grad on a tensor made from one: run with "
             "--no-input-grad (trace(..., input_grad=False))"
         )
-    if not infos:
+    if not infos or not isinstance(exc, _INPUT_ERROR_TYPES):  # a NameError is no question of inputs
         return None
     shapes = ", ".join(f"{i.name} {i.dtype}{list(i.shape)}" for i in infos)
-    return f"the model was called with {shapes}; check the input specs (-i) or example_inputs()"
+    return f"the model was called with {shapes}; check the inputs (the -i specs, or example_inputs())"
+
+
+# what a wrong shape, dtype or missing key raises (torch's RuntimeError, an index, an assertion on shapes)
+_INPUT_ERROR_TYPES = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AssertionError)
 
 
 _TRACE_CODE = trace.__wrapped__.__code__
