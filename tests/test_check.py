@@ -22,6 +22,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from tracer_cli.checks import (
+    CHECK_DEFAULT_FAILING,
     CheckPolicy,
     Finding,
     TargetReport,
@@ -358,12 +359,12 @@ def test_run_takes_thresholds_too(runner):
         (["--warn-on", "nan"], "unknown --warn-on check 'nan'"),
         (["--min-grad-norm", "2", "--max-grad-norm", "1"], "above --max-grad-norm"),
         (["--filter", "("], "--filter"),
-        (["--fail-on", "norm"], "--fail-on norm needs a threshold"),
-        (["--warn-on", "nograd,norm"], "--warn-on norm needs a threshold"),
-        (["--fail-on", "gradcheck"], "--fail-on gradcheck needs --gradcheck"),
+        (["--fail-on", "norm"], "--fail-on names norm, which needs a threshold"),
+        (["--warn-on", "nograd,norm"], "--warn-on names norm, which needs a threshold"),
+        (["--fail-on", "gradcheck"], "--fail-on names gradcheck, which needs --gradcheck"),
         (["--seed", str(2**64)], "out of range"),
         (["--seed", "-1"], "out of range"),
-        (["--warn-on", "replay"], "--warn-on replay needs --replay"),
+        (["--warn-on", "replay"], "--warn-on names replay, which needs --replay"),
     ],
 )
 def test_usage_errors_exit_2(runner, args, fragment):
@@ -371,6 +372,20 @@ def test_usage_errors_exit_2(runner, args, fragment):
     assert result.exit_code == 2
     assert fragment in result.stderr
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "setting, fragment",
+    [
+        ("seed = -1", "seed in [tool.gradtrace] -1 is out of range"),
+        ('fail-on = ["norm"]', "fail-on in [tool.gradtrace] names norm, which needs a threshold"),
+        ("min-grad-norm = 2.0\nmax-grad-norm = 1.0", "min-grad-norm in [tool.gradtrace] 2 is above max-grad-norm in"),
+    ],
+)
+def test_a_usage_error_in_the_config_names_its_key(runner, tmp_path, setting, fragment):
+    (tmp_path / "pyproject.toml").write_text(f"[tool.gradtrace]\n{setting}\n")
+    result = check(runner, sample("mlp"))
+    assert result.exit_code == 2 and fragment in result.stderr, result.stderr
 
 
 def test_no_targets_is_a_usage_error(runner):
@@ -716,3 +731,106 @@ def test_the_report_line_shows_each_rank_s_loss_where_they_differ():
     assert f"loss {healthy.meta.loss:.6g} ·" in same.summary and "by rank" not in same.summary
     differ = check_traces([healthy, poisoned], CheckPolicy.build(["nonfinite"]))
     assert f"loss {healthy.meta.loss:.6g} / nan (by rank)" in differ.summary, differ.summary
+
+
+# --- what a CI job meets --------------------------------------------------------------------------
+
+
+def _gradtrace(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k not in ("GITHUB_ACTIONS", "COLUMNS")} | env
+    return subprocess.run([sys.executable, "-m", "tracer_cli", *args], capture_output=True, cwd=cwd, env=environment, check=False,
+                          timeout=180)
+
+
+def test_a_stdout_that_cannot_encode_every_character_gets_question_marks_not_an_internal_error(tmp_path):
+    """A Windows runner's code page (cp1252), or LC_ALL=C: the run and its report go on."""
+    job = _gradtrace("check", sample("mlp"), "--junit-xml", "report.xml", cwd=tmp_path, PYTHONIOENCODING="ascii")
+    assert job.returncode == 0, job.stderr
+    assert b"OK: 1 target healthy" in job.stdout and (tmp_path / "report.xml").exists()
+    assert b"params ?grad?" in job.stdout  # the norm bars, which ASCII lacks
+
+
+@pytest.mark.parametrize("columns", ["0", "abc", "-5", ""])
+def test_a_columns_value_that_is_no_width_is_ignored(tmp_path, columns):
+    job = _gradtrace("check", sample("masked_inf"), cwd=tmp_path, COLUMNS=columns)
+    assert job.returncode == 1
+    (row,) = [line for line in job.stdout.decode().splitlines() if line.startswith("FAIL  nonfinite")]
+    assert "a latent inf" in row  # one line, not folded at 80 columns nor at none
+
+
+def test_in_a_narrow_terminal_each_finding_keeps_its_text():
+    from rich.console import Console
+
+    from tracer_cli.render.findings import render_report
+
+    report = check_traces([trace(load_sample("masked_inf").build_model(), load_sample("masked_inf").example_inputs())],
+                          CheckPolicy.build(CHECK_DEFAULT_FAILING), target="masked_inf.py")
+    for width in (40, 60, 200):
+        console = Console(width=width, color_system=None)
+        with console.capture() as captured:
+            console.print(render_report(report))
+        text = captured.get()
+        assert "latent" in text and "FAIL" in text and "SqrtBackward0" in text, (width, text)
+        assert max(map(len, text.splitlines())) <= width
+
+
+def test_the_command_line_s_fail_on_replaces_the_config_s_warn_on(runner, tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[tool.gradtrace]\nwarn-on = ["nograd"]\n')
+    assert check(runner, sample("forgotten_layer")).exit_code == 0
+    assert check(runner, sample("forgotten_layer"), "--fail-on", "nograd").exit_code == 1
+    both = check(runner, sample("forgotten_layer"), "--fail-on", "nograd", "--warn-on", "nograd")
+    assert both.exit_code == 2 and "nograd named in both --fail-on and --warn-on" in both.stderr
+
+
+def test_divergence_asked_for_in_one_process_is_a_usage_error(runner, tmp_path):
+    result = check(runner, sample("mlp"), "--fail-on", "divergence")
+    assert result.exit_code == 2 and "needs torchrun" in result.stderr
+    (tmp_path / "pyproject.toml").write_text('[tool.gradtrace]\nfail-on = ["divergence"]\n')  # shared with torchrun jobs
+    assert check(runner, sample("mlp")).exit_code == 0
+
+
+def test_an_error_in_the_options_removes_what_an_earlier_run_left_in_the_output_files(runner, tmp_path):
+    assert check(runner, sample("mlp"), "--junit-xml", "report.xml").exit_code == 0
+    assert (tmp_path / "report.xml").exists()
+    assert check(runner, sample("mlp"), "--fail-on", "bogus", "--junit-xml", "report.xml").exit_code == 2
+    assert not (tmp_path / "report.xml").exists()
+    (tmp_path / "pyproject.toml").write_text("[tool.gradtrace]\nseed = 'x'\n")
+    (tmp_path / "report.xml").write_text("<old/>")
+    assert check(runner, sample("mlp"), "--junit-xml", "report.xml").exit_code == 2
+    assert not (tmp_path / "report.xml").exists()
+
+
+def test_two_outputs_naming_one_file_are_refused(runner, tmp_path):
+    result = runner.invoke(app, ["run", sample("mlp"), "--svg", "out", "--json", "out"], catch_exceptions=False)
+    assert result.exit_code == 2 and "both name out" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_diff_does_not_write_over_a_trace_it_compares(runner, tmp_path):
+    for name in ("a.json", "b.json"):
+        assert runner.invoke(app, ["run", sample("mlp"), "--json", name], catch_exceptions=False).exit_code == 0
+    before = (tmp_path / "a.json").read_text()
+    result = runner.invoke(app, ["diff", "a.json", "b.json", "--json", "a.json"], catch_exceptions=False)
+    assert result.exit_code == 2 and "would write over" in result.stderr
+    assert (tmp_path / "a.json").read_text() == before
+
+
+def test_control_characters_of_a_user_s_error_do_not_reach_the_log(runner, tmp_path):
+    (tmp_path / "model.py").write_text(
+        "import torch\n\ndef model(x):\n    raise RuntimeError('\\x1b[31mred\\x1b[0m and a NUL \\x00 here')\n\n"
+        "def example_inputs():\n    return torch.randn(2)\n"
+    )
+    result = check(runner, "model.py", "--junit-xml", "report.xml")
+    assert result.exit_code == 3
+    assert "\x1b" not in result.stdout and "\x00" not in result.stdout and "\\x1b[31mred" in result.stdout
+    ET.parse(tmp_path / "report.xml")
+
+
+def test_api_thresholds_and_checks_that_would_pass_silently_are_value_errors():
+    from tracer_cli.testing import assert_gradients_healthy
+
+    model, x = nn.Linear(4, 1), torch.randn(2, 4)
+    for kwargs in ({"max_grad_norm": math.nan}, {"max_grad_norm": -1.0}, {"min_grad_norm": math.inf},
+                   {"fail_on": "divergence"}, {"fail_on": "zero", "warn_on": "zero"}):
+        with pytest.raises(ValueError):
+            assert_gradients_healthy(model, (x,), **kwargs)

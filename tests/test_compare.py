@@ -196,3 +196,13 @@ def test_the_comparison_says_agree_only_when_nothing_differs():
     assert "first.weight" in text.split("after backward: ")[1]
     healthy = _comparison_text(compare([traced(), traced()], inputs_differ=True, labels=[0, 1]))
     assert "parameter gradients agree across ranks" in healthy and "ranks agree" not in healthy
+
+
+def test_a_trace_without_forward_values_is_compared_by_its_gradients_only():
+    """--json records forward values, trace() does not by default: not a difference of every node (inf)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), torch.randn(3, 4)
+    comparison = compare([trace(model, x, forward_stats=True), trace(model, x)])
+    assert comparison["first_divergent"] is None
+    assert all(entry["forward"] is None for entry in comparison["nodes"])
+    assert "forward values were not recorded" in comparison["note"]

@@ -10,6 +10,7 @@ import functools
 import io
 import math
 import re
+import shutil
 import sys
 import traceback
 import warnings
@@ -435,7 +436,6 @@ def _execute(ctx: typer.Context) -> int:
 
 def _options(ctx: typer.Context) -> _Options:
     """Validate the command's parameters, with ``[tool.gradtrace]`` defaults for those not given."""
-    import os
     import re
 
     from .checks import (
@@ -446,11 +446,19 @@ def _options(ctx: typer.Context) -> _Options:
         unmet_requirement,
     )
     from .config import load_config
+    from .distributed import rank_info
     from .errors import UsageError
     from .render.tree import TreeOptions
 
     command = ctx.info_name or "run"
-    params = _with_config(ctx, load_config())
+    try:
+        config = load_config()
+    except UsageError:
+        _check_outputs(command, dict(ctx.params))  # those given on the command line: no stale result is left
+        raise
+    params = _with_config(ctx, config)
+    # first: an error found below leaves no result of an earlier run behind, for a CI job to read as this one's
+    exports = _check_outputs(command, params)
     pattern = params["pattern"]
     if pattern is not None:
         try:
@@ -462,45 +470,60 @@ def _options(ctx: typer.Context) -> _Options:
         warn_on = parse_fail_on(params["warn_on"], option="--warn-on")
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    given = _given(ctx)
+    both = [check for check in fail_on if check in warn_on]
+    if both:  # the command line's choice replaces the config's; within one of them, it is a contradiction
+        if ("fail_on" in given) == ("warn_on" in given):
+            where = "--fail-on and --warn-on" if "fail_on" in given else "fail-on and warn-on in [tool.gradtrace]"
+            raise UsageError(f"{', '.join(both)} named in both {where}", hint="name each check in one of them")
+        if "fail_on" in given:
+            warn_on = tuple(check for check in warn_on if check not in both)
+        else:
+            fail_on = tuple(check for check in fail_on if check not in both)
+    # asked for on the command line of one process, it would check nothing (a config shared with torchrun jobs may)
+    named = [option for option, key, checks in (("--fail-on", "fail_on", fail_on), ("--warn-on", "warn_on", warn_on))
+             if key in given and "divergence" in checks]
+    if named and ctx.params.get("nproc_per_node") is None and rank_info() is None:
+        option = named[0]
+        raise UsageError(
+            f"{option} divergence compares ranks: it needs torchrun (or --nproc-per-node N)",
+            hint="run under torchrun --nproc-per-node N --no-python gradtrace check ..., or leave divergence out",
+        )
+    from_config = {name for name in params if name not in given and params[name] != ctx.params.get(name)}
+
+    def named(param: str, option: str) -> str:
+        """How the user set it: ``--seed``, or ``seed in [tool.gradtrace]``."""
+        return f"{option[2:]} in [tool.gradtrace]" if param in from_config else option
+
     thresholds = Thresholds(params["max_grad_norm"], params["min_grad_norm"])
     asked_for = [check for check in ("gradcheck", "replay") if params.get(check, False)]
-    for option, checks in (("--fail-on", fail_on), ("--warn-on", warn_on)):  # checks that would find nothing, silently
-        unmet = unmet_requirement(checks, thresholds, asked_for)
+    for option, checks in ((named("fail_on", "--fail-on"), fail_on), (named("warn_on", "--warn-on"), warn_on)):
+        unmet = unmet_requirement(checks, thresholds, asked_for)  # checks that would find nothing, silently
         if unmet == "norm":
             raise UsageError(
-                f"{option} norm needs a threshold to check against",
+                f"{option} names norm, which needs a threshold to check against",
                 hint="add --max-grad-norm X and/or --min-grad-norm Y (max-grad-norm = X in [tool.gradtrace])",
             )
         if unmet is not None:
-            raise UsageError(f"{option} {unmet} needs --{unmet}: only then does the check run", hint=f"add --{unmet}")
+            raise UsageError(f"{option} names {unmet}, which needs --{unmet}: only then does the check run", hint=f"add --{unmet}")
     if None not in (thresholds.max_grad_norm, thresholds.min_grad_norm) and (
         thresholds.min_grad_norm > thresholds.max_grad_norm  # type: ignore[operator]
     ):
         raise UsageError(
-            f"--min-grad-norm {thresholds.min_grad_norm:g} is above --max-grad-norm {thresholds.max_grad_norm:g}"
+            f"{named('min_grad_norm', '--min-grad-norm')} {thresholds.min_grad_norm:g} is above "
+            f"{named('max_grad_norm', '--max-grad-norm')} {thresholds.max_grad_norm:g}"
         )
     if params["ranks"].strip() != "all":  # its form, also in one process (which ranks: under torchrun)
         _selected_ranks(params["ranks"], sys.maxsize)
     if not 0 <= params["seed"] < 2**63:  # torch.manual_seed's range, with room for --rank-seed's seed + rank
-        raise UsageError(f"--seed {params['seed']} is out of range", hint=f"use a seed from 0 to {2**63 - 1}")
-    targets = [params["target"]] if command == "run" else list(params["targets"] or [])
+        raise UsageError(f"{named('seed', '--seed')} {params['seed']} is out of range", hint=f"use a seed from 0 to {2**63 - 1}")
+    targets = _targets_of(command, params)
     if not targets:
         raise UsageError(
             "no targets to check",
             hint="name model files (gradtrace check model.py other.py) or set targets = [...] in [tool.gradtrace] "
             "of pyproject.toml",
         )
-    exports = {kind: params[kind] for kind in ("svg", "html", "dot") if params.get(kind) is not None}
-    outputs = {"--json": params.get("json_path"), "--junit-xml": params.get("junit_xml")}
-    read = {os.path.realpath(str(p).rpartition(":")[0] or p) for p in [params.get("inputs"), *targets] if p}
-    for option, path in [*outputs.items(), *((f"--{kind}", path) for kind, path in exports.items())]:
-        if path is None or (path == "-" and option == "--json"):
-            continue
-        if path == "-":  # it would write a file named "-"
-            raise UsageError(f"{option} -: only --json writes to stdout", hint=f"name a file for {option}")
-        if os.path.realpath(path) in read:
-            raise UsageError(f"{option} {path} would write over a file this run reads (a model file, or --inputs)")
-        _check_writable(path, option)
     inputs = params["inputs"]
     if params["input"] and inputs is not None:  # either on the command line replaces both config keys
         from_config = not {"input", "inputs"} & _given(ctx)
@@ -542,6 +565,44 @@ def _options(ctx: typer.Context) -> _Options:
         sources=not params.get("no_sources", False),
         exports=exports,
     )
+
+
+def _targets_of(command: str, params: dict[str, Any]) -> list[str]:
+    return [params["target"]] if command == "run" else list(params.get("targets") or [])
+
+
+def _check_outputs(command: str, params: dict[str, Any]) -> dict[str, str]:
+    """Refuse output files that cannot be written, or that name a file this run reads or another output
+    writes; then remove what earlier runs left there (:func:`_check_writable`). Returns the exports."""
+    exports = {kind: params[kind] for kind in ("svg", "html", "dot") if params.get(kind) is not None}
+    outputs = [("--json", params.get("json_path")), ("--junit-xml", params.get("junit_xml"))]
+    outputs += [(f"--{kind}", path) for kind, path in exports.items()]
+    read = [params.get("inputs"), *_targets_of(command, params)]
+    _refuse_outputs(outputs, [str(p).rpartition(":")[0] or p for p in read if p], "a model file, or --inputs")
+    return exports
+
+
+def _refuse_outputs(outputs: list[tuple[str, str | None]], read: list[str], what_is_read: str) -> None:
+    import os
+
+    from .errors import UsageError
+
+    read_paths = {os.path.realpath(path) for path in read}
+    written: dict[str, str] = {}
+    for option, path in outputs:
+        if path is None or (path == "-" and option == "--json"):
+            continue
+        if path == "-":  # it would write a file named "-"
+            raise UsageError(f"{option} -: only --json writes to stdout", hint=f"name a file for {option}")
+        real = os.path.realpath(path) if path else path
+        if real in read_paths:
+            raise UsageError(f"{option} {path} would write over a file this run reads ({what_is_read})")
+        if real in written:
+            raise UsageError(f"{written[real]} and {option} both name {path}: each output needs a file of its own")
+        written[real] = option
+    for option, path in outputs:  # only once nothing is refused: a refused command removes nothing
+        if path is not None and not (path == "-" and option == "--json"):
+            _check_writable(path, option)
 
 
 def _check_writable(path: str, option: str) -> None:
@@ -947,10 +1008,14 @@ def _log_console(record: bool = False, silent: bool = False, stderr: bool = Fals
         terminal = stream.isatty()
     except (AttributeError, ValueError):  # no stream, or a closed one
         terminal = False
+    columns = os.environ.get("COLUMNS")
+    usable = columns is not None and columns.strip().isdigit() and int(columns) > 0  # COLUMNS=0 printed nothing
     if terminal:
-        return Console(highlight=False, record=record, stderr=stderr)
+        # Rich takes COLUMNS as it is: where it is not a width, the terminal's (shutil skips such a COLUMNS)
+        width = None if usable or columns is None else shutil.get_terminal_size().columns
+        return Console(highlight=False, record=record, stderr=stderr, width=width)
     # a log, also one that keeps colours (FORCE_COLOR): a table pads its cells, but no line of it ends in spaces
-    width = None if "COLUMNS" in os.environ else _LOG_WIDTH
+    width = int(columns) if usable else _LOG_WIDTH
     return Console(highlight=False, record=record, width=width, file=_LineEndsTrimmed(stream))
 
 
@@ -1224,6 +1289,9 @@ def diff(
         from .render.diff import render_diff
         from .render.json import read_trace
 
+        if json_path is not None:
+            files = [spec.rpartition("#")[0] if "#" in spec else spec for spec in (first, second)]  # FILE#N: FILE
+            _refuse_outputs([("--json", json_path)], files, "a trace being compared")
         try:
             (a, note_a), (b, note_b) = read_trace(first), read_trace(second)
         except ValueError as exc:
@@ -1248,8 +1316,21 @@ def diff(
     _guarded(debug, body)
 
 
+def _tolerant_streams() -> None:
+    """Where stdout or stderr cannot encode every character (a Windows code page, ``LC_ALL=C``), a ``?`` for
+    those: a UnicodeEncodeError ended every run there, with exit 70 and no report."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("_", "-")
+        if not encoding.startswith("utf") and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="replace")
+            except (ValueError, OSError):  # a closed or detached stream
+                pass
+
+
 def main() -> None:
     """Console-script entry point."""
+    _tolerant_streams()
     # Where NumPy is not installed, importing torch warns that it could not load it. gradtrace does not use
     # NumPy (a model that does fails where it does), and the warning would open the output of every run.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)

@@ -242,6 +242,11 @@ def compare(
             first = _parameter_origin(traces, labels, rtol, atol)
         else:
             first = _forward_origin(traces, labels, rtol, atol) or _backward_origin(traces, labels, rtol, atol)
+            if any(t.nodes and all(n.forward is None for n in t.nodes) for t in traces):
+                note = (
+                    "forward values were not recorded in every trace (trace(..., forward_stats=True) records them; "
+                    "--json does): only gradients are compared, and a difference is placed where the gradients show it"
+                )
     return {
         "first_divergent": first,
         "ranks": per_rank,
@@ -257,7 +262,10 @@ def _node_spreads(traces: Sequence[Trace]) -> list[dict[str, Any]]:
     spreads = []
     for node_id in range(len(traces[0].nodes)):
         nodes = [t.nodes[node_id] for t in traces]
-        entry: dict[str, Any] = {"id": node_id, "forward": encode_float(relative_spread([_norm(n.forward) for n in nodes]))}
+        forward = [_norm(n.forward) for n in nodes]
+        # a trace made without forward statistics has none to compare (not a difference)
+        known = all(n.forward is not None for n in nodes)
+        entry: dict[str, Any] = {"id": node_id, "forward": encode_float(relative_spread(forward)) if known else None}
         for side in ("grad_inputs", "grad_outputs"):
             rows = [_slots(getattr(n, side)) for n in nodes]
             columns = [relative_spread(list(column)) for column in zip(*rows)] if len({len(r) for r in rows}) == 1 else []

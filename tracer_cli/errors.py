@@ -7,6 +7,7 @@ into messages and exit codes. Anything else that escapes is a gradtrace bug.
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from enum import IntEnum
 
@@ -78,7 +79,7 @@ class UserCodeError(ModelError):
     """
 
     def __init__(self, phase: str, exc: BaseException, hint: str | None = None):
-        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        summary = printable("".join(traceback.format_exception_only(type(exc), exc)).strip())
         if isinstance(exc, SystemExit) and hint is None:
             hint = (
                 "the model's code called sys.exit() or os._exit() (argparse does on arguments it does not know): a model file is "
@@ -106,7 +107,16 @@ class UserCodeError(ModelError):
         lines = ["Traceback (your code, most recent call last):"]
         lines += traceback.format_list(frames)
         lines.append("".join(traceback.format_exception_only(type(self.original), self.original)))
-        return "".join(line if line.endswith("\n") else line + "\n" for line in lines).rstrip()
+        return printable("".join(line if line.endswith("\n") else line + "\n" for line in lines).rstrip())
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters other than newlines and tabs written out (``\\x1b``): a message of the
+    user's that holds terminal escape codes or a NUL must not reach a CI log or a terminal as they are."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
 class InternalError(GradtraceError):

@@ -12,6 +12,7 @@ table, naming the node, module and parameter (e.g. ``SqrtBackward0`` in module `
 from __future__ import annotations
 
 import io
+import math
 from typing import Any, Callable, Iterable
 
 from .checks import (
@@ -75,10 +76,18 @@ def assert_gradients_healthy(
     __tracebackhide__ = True  # pytest shows the test's line, not this one
     from .tracing import trace
 
+    for keyword, value in (("max_grad_norm", max_grad_norm), ("min_grad_norm", min_grad_norm)):
+        if value is not None and not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+            raise ValueError(f"{keyword} must be a number from 0 up, not {value!r}")
     thresholds = Thresholds(max_grad_norm, min_grad_norm)
     if max_grad_norm is not None and min_grad_norm is not None and min_grad_norm > max_grad_norm:
         raise ValueError(f"min_grad_norm {min_grad_norm:g} is above max_grad_norm {max_grad_norm:g}")
     fail_on, warn_on = parse_fail_on(fail_on, option="fail_on"), parse_fail_on(warn_on, option="warn_on")
+    both = [check for check in fail_on if check in warn_on]
+    if both:
+        raise ValueError(f"{', '.join(map(repr, both))} named in both fail_on and warn_on")
+    if "divergence" in fail_on + warn_on:
+        raise ValueError("'divergence' compares torchrun ranks; assert_gradients_healthy traces one process")
     asked_for = [check for check, asked in (("gradcheck", gradcheck), ("replay", replay)) if asked]
     for keyword, checks in (("fail_on", fail_on), ("warn_on", warn_on)):  # a check that would pass silently
         unmet = unmet_requirement(checks, thresholds, asked_for)

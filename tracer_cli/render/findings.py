@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -30,8 +32,36 @@ def render_report(report: TargetReport) -> RenderableType:
     return Group(header, findings_table(report))
 
 
-def findings_table(report: TargetReport) -> Table:
+class _Findings:
+    """A table where the width leaves the ``finding`` column room (it is the point of the row); in a narrow
+    terminal a block per finding, its fields on a line and its text below, wrapped."""
+
+    MIN_FINDING_WIDTH = 30
+
+    def __init__(self, report: TargetReport):
+        self.report = report
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        table = _table(self.report)
+        fields = Measurement.get(console, options, Table.grid(*table.columns[:-1], padding=(0, 1))).maximum
+        if options.max_width - fields - 1 >= self.MIN_FINDING_WIDTH:
+            yield table
+            return
+        for finding in self.report.failures + self.report.warnings:
+            failed = self.report.policy.fails(finding)
+            line = Text("FAIL" if failed else "warn", style=_FAIL if failed else _WARN)
+            parts = [finding.kind, _node(finding), _module(finding), _param(finding), format_value(finding.value)]
+            line.append(" " + " · ".join(part for part in parts if part and part != "–"))
+            yield line
+            yield Padding(_what(finding), (0, 0, 0, 2))
+
+
+def findings_table(report: TargetReport) -> RenderableType:
     """One row per finding, failing ones first: status, check, node, module, parameter, value, what."""
+    return _Findings(report)
+
+
+def _table(report: TargetReport) -> Table:
     table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, header_style="bold")
     for column in ("", "check", "node", "module", "parameter", "value", "finding"):
         table.add_column(column, no_wrap=column != "finding", overflow="fold")
