@@ -56,7 +56,8 @@ def reference_loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None = 
 
     ``loss_fn(output)`` if given; else a 0-dim tensor output as is; else the
     output's ``.loss`` / ``["loss"]``; else every floating-point tensor in the
-    output reduced with ``.sum()`` (or ``.mean()``) and the results added.
+    output reduced with ``.sum()`` (or ``.mean()``) and the results added; float16 and bfloat16
+    tensors reduced in float32.
     """
     if loss_fn is not None:
         return loss_fn(output)
@@ -67,7 +68,11 @@ def reference_loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None = 
         if loss is not None:
             return loss
     reduce = torch.Tensor.sum if reduction == "sum" else torch.Tensor.mean
-    terms = [reduce(t) for t in _tensors(output) if t.is_floating_point() or t.is_complex()]
+
+    def reduced(t: torch.Tensor) -> torch.Tensor:
+        return reduce(t, dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else reduce(t)
+
+    terms = [reduced(t) for t in _tensors(output) if t.is_floating_point() or t.is_complex()]
     if not terms:
         raise ValueError("output holds no floating-point tensor")
     total = terms[0]

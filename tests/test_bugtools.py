@@ -8,6 +8,7 @@ import os
 import re
 import textwrap
 import xml.etree.ElementTree as ElementTree
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,6 +103,39 @@ def test_forward_nan_origin_is_the_op_that_made_it():
     assert plain.forward_nonfinite_origin() is None and plain.summary()["first_nonfinite_forward"] is None
     (finding,) = [f for f in nonfinite_findings(plain) if f.detail.startswith("the loss is nan")]
     assert "forward_stats=True" in finding.detail and "--json" in finding.detail
+
+
+class _Poisoned(nn.Module):
+    """A NaN written in place, three ways: an index assignment, a boolean mask, a method on a view."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.up, self.down, self.how = nn.Linear(4, 8), nn.Linear(8, 2), how
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.how == "setitem":
+            h[0, 3] = float("nan")
+        elif self.how == "mask":
+            h[h > 10.0 ** 6 - 1] = float("nan")  # every element of x is 1e6: all of h is above
+        else:
+            h[:, 1].fill_(float("nan"))
+        return self.down(h)
+
+
+@pytest.mark.parametrize("how", ["setitem", "mask", "view"])
+def test_a_nan_written_in_place_is_placed_at_the_node_of_that_write(how):
+    """h[0, 3] = nan returns None: the tensor it changed is what forward made, at the line of the write
+    (not at the next op, in the next module)."""
+    with torch.no_grad():
+        model = _Poisoned(how)
+        model.up.weight.fill_(1.0 / 4)  # x of 1e6: every element of h is 1e6 + bias
+    result = trace(model, torch.full((2, 4), 1e6), forward_stats=True)
+    made = result.forward_nonfinite_origin()
+    assert made.module == "" and made.name in ("torch::autograd::CopySlices", "IndexPutBackward0"), made.label()
+    write = {"setitem": "h[0, 3] =", "mask": "h[h >", "view": ".fill_("}[how]
+    line = Path(__file__).read_text().splitlines()[int(made.source.rpartition(":")[2]) - 1]
+    assert made.source.startswith("tests/test_bugtools.py:") and write in line, (made.source, line)
 
 
 def test_forward_nan_origin_is_the_one_that_reaches_the_loss():

@@ -26,6 +26,7 @@ from .reference import (
     graph_signature,
     load_sample,
     plain_grads,
+    reference_loss,
     sample_model,
     with_input_grads,
 )
@@ -235,7 +236,7 @@ def test_bf16_autocast_gradients():
     for name, grad in grads.items():
         assert result.leaf(name).grad_outputs[0].norm == pytest.approx(grad_norm(grad), rel=1e-3), name
     # every bf16 statistic equals a float32-accumulated norm taken by an independent hook
-    compare_with_hooks(result, model(x.detach().requires_grad_()).sum())
+    compare_with_hooks(result, reference_loss(model(x.detach().requires_grad_())))  # the bf16 output summed in float32
 
 
 def test_inplace_op_on_a_view_shows_copyslices():
@@ -952,3 +953,27 @@ def test_a_leaf_made_inside_a_module_belongs_to_the_module_that_used_it():
     unnamed = [n for n in result.nodes if n.is_leaf and n.param is None]
     assert len(unnamed) == 1 and unnamed[0].module == "1", [(n.name, n.param, n.module) for n in result.nodes]
     assert unnamed[0].grad_outputs[0].norm == pytest.approx((3 * 2.0**2) ** 0.5)  # d(sum)/d(bias) = 2 per element (2 rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_loss_rule_reduces_half_precision_outputs_in_float32(dtype):
+    """The sum of 20,480 values around 10 is 204,800: past float16's largest value, although the model is fine."""
+    layer = nn.Linear(8, 256).to(dtype)
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.bias.fill_(10.0)
+    result = trace(layer, torch.randn(80, 8, dtype=dtype))
+    assert result.meta.loss == pytest.approx(204800.0, rel=1e-2)
+    assert "float32" in result.meta.loss_rule and not result.nonfinite_nodes()
+    assert result.leaf("bias").grad_norm == pytest.approx(80.0 * 16.0, rel=1e-2)  # 80 ones in each of 256 places
+
+
+def test_example_inputs_may_be_any_mapping_of_keyword_arguments():
+    """A tokenizer's BatchEncoding is a UserDict, not a dict: its items are the keyword arguments."""
+    from collections import UserDict
+
+    from tracer_cli.loading import split_inputs
+
+    ids = torch.tensor([[1, 2, 3]])
+    args, kwargs = split_inputs(UserDict(input_ids=ids, attention_mask=torch.ones(1, 3)), "example_inputs()")
+    assert args == () and set(kwargs) == {"input_ids", "attention_mask"} and kwargs["input_ids"] is ids

@@ -241,7 +241,8 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
         root = made or (trace.nodes[0] if trace.nodes else None)
         if made is not None:
             message = (
-                f"the loss is {kind}: forward made a {made.forward.nonfinite_kind} first at #{made.id} {made.label()}"
+                f"the loss is {kind}: forward made {'an' if made.forward.nonfinite_kind == 'inf' else 'a'} "
+                f"{made.forward.nonfinite_kind} first at #{made.id} {made.label()}"
                 + trace.unrecorded_note(made)
             )
         else:

@@ -14,6 +14,7 @@ import inspect
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Iterator
@@ -65,11 +66,11 @@ def split_inputs(value: Any, source: str) -> tuple[tuple, dict]:
         return (value,), {}
     if isinstance(value, (tuple, list)):
         return tuple(value), {}
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):  # a dict, a tokenizer's BatchEncoding
         return (), dict(value)
     raise ModelError(
         f"{source} returned a {type(value).__name__}",
-        hint="return a Tensor, a tuple of positional arguments, or a dict of keyword arguments",
+        hint="return a Tensor, a tuple of positional arguments, or a dict (any mapping) of keyword arguments",
     )
 
 

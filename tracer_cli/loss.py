@@ -105,8 +105,13 @@ def compute_loss(
             hint="define loss_fn(output) in the model file, or return a tensor",
         )
     paths = ", ".join(path for path, _ in chosen)
+    # float16 and bfloat16 outputs reduced in float32: the sum of a healthy float16 output overflows at 65504
+    half = {torch.float16, torch.bfloat16}
+    widened = any(t.dtype in half for _, t in chosen)
     try:
-        terms = [t.sum() if reduction == "sum" else t.mean() for _, t in chosen]
+        terms = [
+            getattr(t, reduction)(dtype=torch.float32) if t.dtype in half else getattr(t, reduction)() for _, t in chosen
+        ]
         loss = terms[0]
         for term in terms[1:]:
             loss = loss + term
@@ -120,4 +125,4 @@ def compute_loss(
             hint="define loss_fn(output) in the model file (trace(..., loss_fn=...)) returning a scalar tensor",
         ) from exc
     rule = f"{paths}.{reduction}()" if len(chosen) == 1 else f"sum of .{reduction}() over {paths}"
-    return loss, rule
+    return loss, rule + (" (half precision in float32)" if widened else "")

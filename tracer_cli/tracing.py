@@ -625,6 +625,7 @@ class _SiteRecorder:
 
 @functools.cache  # a class made once, not per trace
 def _forward_mode_class() -> type:
+    import torch
     from torch.overrides import TorchFunctionMode
 
     try:
@@ -662,6 +663,12 @@ def _forward_mode_class() -> type:
                     sites.sites += (site, None)
             if self.session.forward_stats:
                 self.session.record_forward(output)
+                name = getattr(func, "__name__", "")
+                if args and (name == "__setitem__" or name.endswith("_")) and isinstance(args[0], torch.Tensor):
+                    # an in-place op (h[0, 3] = x returns None): the tensor it changed, and the tensor a changed
+                    # view belongs to, whose node (CopySlices) the ops after it use
+                    changed = args[0]
+                    self.session.record_forward(changed if changed._base is None else (changed, changed._base))
             return output
 
     return _ForwardMode
