@@ -246,3 +246,23 @@ def test_a_post_accumulate_grad_hook_is_held_back_during_the_trace(size):
     assert result.leaf("weight").grad_norm == pytest.approx(arrived[0], rel=1e-5, abs=0)
     assert dict(result.param_grads)["weight"].norm == pytest.approx(arrived[0], rel=1e-5, abs=0)
     assert float(model.weight.grad.double().norm()) == pytest.approx(arrived[0] * 0.001, rel=1e-5)
+
+
+@pytest.mark.parametrize("size", [16, 40000], ids=["small", "large"])
+def test_a_hook_on_the_accumulategrad_node_that_scales_grad_shows_in_param_grads(size):
+    """The older pattern (DeepSpeed's): a post hook on the parameter's AccumulateGrad node, which runs during
+    the trace. param_grads is .grad as backward left it, the leaf what arrived."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(size, 4)
+    accumulator = model.weight.view_as(model.weight).grad_fn.next_functions[0][0]  # kept: the hook lives on it
+
+    def scale(grad_inputs, grad_outputs):
+        model.weight.grad.mul_(10.0)
+
+    accumulator.register_hook(scale)
+    x = torch.randn(3, size)
+    result = trace(model, x)
+    model(x).sum().backward()
+    assert dict(result.param_grads)["weight"].norm == pytest.approx(float(model.weight.grad.double().norm()), rel=1e-5)
+    assert result.leaf("weight").grad_norm == pytest.approx(float(model.weight.grad.double().norm()) / 10.0, rel=1e-5)
+    del accumulator

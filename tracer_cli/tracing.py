@@ -1384,7 +1384,9 @@ class _TraceSession:
                 if grad is None:
                     continue
                 slot = once.get(id(leaf.tensor), -1)
-                if slot >= 0 and self.stats.shapes[slot] == grad.shape and self.stats.dtypes[slot] == grad.dtype:
+                # a copy AccumulateGrad made (version 0) that nothing changed in place since (a hook of the user's
+                # on the AccumulateGrad node may have: then it is read again)
+                if slot >= 0 and grad._version == 0 and self.stats.shapes[slot] == grad.shape and self.stats.dtypes[slot] == grad.dtype:
                     self.param_grads.append((leaf.name, self.stats.alias(grad, slot)))
                 else:  # often the very tensor AccumulateGrad received
                     self.param_grads.append((leaf.name, self._slot_now(grad)))
