@@ -7,7 +7,8 @@ gradtrace names each copy after the parameter it stands for, so the tree shows
 ``blocks.0.fc.weight`` as usual. After ``backward()`` FSDP2 reduce-scatters the
 gradients into the sharded parameters' ``.grad``; gradtrace reads each one's
 norm over the whole parameter (across ranks), so ``param_grads`` and the
-comparison's "params ‖grad‖" are those of the full gradient.
+comparison's "params ‖grad‖" are those of the full gradient, also for the head,
+whose 5 rows do not divide evenly among 2 ranks.
 
 ``build_model()`` shards the model only when a process group exists (gradtrace
 creates one under torchrun before it builds the model); in a single process it
@@ -39,7 +40,7 @@ class Block(nn.Module):
 
 
 class ResidualMLP(nn.Module):
-    def __init__(self, width: int = 32, depth: int = 3, classes: int = 4):
+    def __init__(self, width: int = 32, depth: int = 3, classes: int = 5):  # 5 rows: an uneven shard on 2 ranks
         super().__init__()
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
         self.head = nn.Linear(width, classes)

@@ -206,3 +206,27 @@ def test_a_trace_without_forward_values_is_compared_by_its_gradients_only():
     assert comparison["first_divergent"] is None
     assert all(entry["forward"] is None for entry in comparison["nodes"])
     assert "forward values were not recorded" in comparison["note"]
+
+
+class _Extra(nn.Module):
+    def __init__(self, extra: bool):
+        super().__init__()
+        self.fc, self.extra = nn.Linear(4, 4), extra
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.extra:
+            h = h.sigmoid()
+        return h.tanh()
+
+
+def test_with_two_traces_the_one_with_the_extra_node_is_the_one_that_differs():
+    """No majority to vote with: an op that one trace has and the other lacks is the origin, whichever comes first."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    plain, extra = _Extra(False), _Extra(True)
+    extra.load_state_dict(plain.state_dict())
+    with_extra, without = trace(extra, x), trace(plain, x)
+    for traces, labels, owner in (([with_extra, without], [0, 1], 0), ([without, with_extra], [0, 1], 1)):
+        first = compare(traces, labels=labels)["first_divergent"]
+        assert (first["kind"], first["name"], first["ranks"], first["rank"]) == ("structure", "SigmoidBackward0", [owner], owner)

@@ -741,3 +741,14 @@ def test_compare_single_process_traces_names_them_by_position():
     assert origin is not None
     found = (origin["kind"], origin["name"], origin["module"], origin["ranks"])
     assert found == ("forward", "MulBackward0", "block2", [1])
+
+
+def test_every_line_of_a_rank_s_error_carries_its_prefix(capsys):
+    """An error message of several lines (load_state_dict lists missing and unexpected keys on lines of their own)."""
+    from tracer_cli.cli import _report
+    from tracer_cli.errors import UserCodeError
+
+    error = UserCodeError("building the model", RuntimeError("Error(s) in loading state_dict:\n\tMissing key(s): a.\n\tUnexpected key(s): b."))
+    _report(error, debug=False, prefix="[rank1] ")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) >= 3 and all(line.startswith("[rank1] ") for line in lines), lines

@@ -889,3 +889,28 @@ def test_a_trace_shows_itself_in_one_line_in_a_repl():
     assert "\n" not in text and len(text) < 200 and f"nodes={len(result.nodes)}" in text
     broken = trace(lambda x: x.log().sum(), torch.tensor([0.0, 1.0]))
     assert "nonfinite=2 (first: #1 LogBackward0)" in repr(broken)
+
+
+def test_a_parameter_whose_grad_backward_filled_is_not_without_gradient():
+    """DDP with find_unused_parameters fills the .grad of a parameter this rank did not use (its all-reduce
+    brings the other ranks' gradients): not a parameter that received no gradient. Here a hook does the same."""
+
+    class Partly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.used(x)
+
+    model = Partly()
+    accumulator = model.used.weight.view_as(model.used.weight).grad_fn.next_functions[0][0]
+
+    def fill(grad_inputs, grad_outputs):
+        model.unused.weight.grad = torch.ones_like(model.unused.weight)
+
+    accumulator.register_hook(fill)
+    result = trace(model, torch.randn(3, 2))
+    assert result.params_without_grad == ("unused.bias",)
+    assert dict(result.param_grads)["unused.weight"].norm == pytest.approx(2.0)
+    del accumulator

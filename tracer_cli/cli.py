@@ -107,7 +107,8 @@ def _report(error: BaseException, debug: bool, prefix: str = "") -> int:
         file=buffer, force_terminal=stderr.is_terminal, color_system=stderr.color_system, soft_wrap=True, highlight=False
     )
     for text, style in lines:
-        console.print(Text(prefix, style="dim") + Text(text, style=style))
+        for line in text.splitlines() or [""]:  # a message of several lines (load_state_dict's): each prefixed
+            console.print(Text(prefix, style="dim") + Text(line, style=style))
     sys.stderr.flush()
     try:
         sys.stderr.write(buffer.getvalue())

@@ -96,7 +96,10 @@ def _structure_origin(traces: Sequence[Trace], labels: list[int]) -> dict[str, A
         keys = [(s[position].name, s[position].module, s[position].param) if position < len(s) else None for s in sequences]
         if len(set(keys)) == 1:
             continue
-        reference = Counter(keys).most_common(1)[0][0] if len(traces) > 2 else keys[0]
+        if len(traces) > 2:
+            reference = Counter(keys).most_common(1)[0][0]
+        else:  # no majority: the trace with nodes the other lacks here (an insertion) is the one that differs
+            reference = keys[1] if _inserted(sequences[0], sequences[1], position) else keys[0]
         differing = [i for i, key in enumerate(keys) if key != reference]
         culprit = next((i for i in differing if position < len(sequences[i])), 0)
         return _describe(sequences[culprit][position], "structure", [labels[i] for i in differing], labels[culprit])
@@ -106,6 +109,23 @@ def _structure_origin(traces: Sequence[Trace], labels: list[int]) -> dict[str, A
         if len({(n.id, *_signature(n)) for n in nodes}) > 1:
             return _describe(nodes[-1], "structure", [labels[i] for i in range(1, len(nodes))], labels[-1])
     return None
+
+
+def _inserted(first: list[Node], second: list[Node], position: int, reach: int = 16) -> bool:
+    """Whether ``first`` has nodes here that ``second`` lacks: ``second``'s node at ``position`` comes later
+    in ``first`` (within ``reach`` nodes), and not the other way round."""
+
+    def key(sequence: list[Node], index: int) -> tuple | None:
+        return (sequence[index].name, sequence[index].module, sequence[index].param) if index < len(sequence) else None
+
+    if position >= len(second):
+        return True
+    for offset in range(1, reach + 1):
+        if key(first, position + offset) == key(second, position) and key(first, position + offset) is not None:
+            return True
+        if key(second, position + offset) == key(first, position) and key(second, position + offset) is not None:
+            return False
+    return False
 
 
 def _forward_origin(traces: Sequence[Trace], labels: list[int], rtol: float, atol: float) -> dict[str, Any] | None:

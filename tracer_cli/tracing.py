@@ -742,19 +742,27 @@ class _Stats:
         With ``out`` (a 0-d tensor of :meth:`_result_dtype`), the value is written there.
         """
         try:
-            if tensor.layout is self._strided:
-                if tensor.dtype in self._dot_dtypes:
+            if tensor.layout is self._strided and tensor.dtype in self._dot_dtypes:
+                try:
                     if tensor.is_contiguous():
                         flat = tensor.view(-1)
                         return self._dot(flat, flat, out=out), True
                     if tensor.dim() == 2 and tensor.t().is_contiguous():  # a weight's gradient, transposed back
                         flat = tensor.t().view(-1)
                         return self._dot(flat, flat, out=out), True
+                except Exception:  # a subclass that cannot be flattened (an unevenly sharded DTensor): a norm
+                    pass
             values = self._elements(tensor)
-            if tensor.dtype in self._wide:
-                return self._vector_norm(values, out=out), False
             # float32 or wider, so bf16/fp16 gradients do not overflow the norm
-            return self._vector_norm(values, dtype=self._float32, out=out), False
+            wide = {} if tensor.dtype in self._wide else {"dtype": self._float32}
+            if out is not None and type(tensor) is not self._plain:
+                # a subclass's norm into a plain tensor: torch crashes on that mixture (an unevenly sharded
+                # DTensor); its norm, made whole (a DTensor's is partial on each rank), is copied in
+                norm = self._vector_norm(values, **wide)
+                whole = getattr(norm, "full_tensor", None)
+                out.copy_(whole() if whole is not None else norm)
+                return out, False
+            return self._vector_norm(values, out=out, **wide), False
         except Exception:
             return None, False
 
@@ -1121,7 +1129,8 @@ class _TraceSession:
                 for node_id in range(start, len(nodes)):
                     node = nodes[node_id]
                     if type(node) is leaf_type:  # a leaf's forward value is the tensor itself
-                        self.forward_slots[node_id] = self.stats.now(node.variable.detach())
+                        if not _storage_freed(node.variable):
+                            self.forward_slots[node_id] = self.stats.now(node.variable.detach())
                     else:
                         recorded = self.forward_values.get(id(node))
                         if recorded is not None:
@@ -1525,6 +1534,8 @@ class _TraceSession:
             for p in leaves
             if any(stat is not None for stats in (grad_outputs[p], *(c.grad_outputs for c in every_call[p])) for stat in stats or ())
         }
+        # nor a .grad after backward: DDP (find_unused_parameters) fills that of a parameter this rank did not use
+        with_grad |= {name for name, _ in self.param_grads}
         missing = tuple(
             leaf.name for leaf in self.leaves.values() if leaf.tensor.requires_grad and leaf.name not in with_grad
         )
@@ -1641,6 +1652,15 @@ def _remove_hooks(handles: list[Any], key: object) -> None:
         deque(map(dict.pop, itertools.compress(handles, kinds), repeat(key), repeat(None)), maxlen=0)
         for handle in itertools.compress(handles, map(operator.not_, kinds)):
             handle.remove()
+
+
+def _storage_freed(tensor: Any) -> bool:
+    """Whether a tensor's storage was resized to nothing (FSDP2 frees an unsharded parameter after its module's
+    forward): its elements are not there to read (reading them crashed the process)."""
+    try:
+        return tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0
+    except Exception:  # a subclass without storage: not this case
+        return False
 
 
 def _intervals_at(starts: list[int], values: list[Any], seqs: list[int]) -> list[Any]:
