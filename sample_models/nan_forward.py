@@ -2,8 +2,9 @@
 
 ``torch.log(self.scale(h))`` takes the log of a linear layer's output, which is
 negative in places (the fix: ``F.softplus`` before the log). The NaN is made in
-forward, in ``features``; backward only carries it on from the loss, so the first
-non-finite *gradient* is at the loss. ``gradtrace run`` sees the loss is NaN,
+forward, in ``features``; backward only carries it on: the gradients that reach
+the NaN values (the head's weight gradient first) are NaN, far from where it was
+made. ``gradtrace run`` sees the loss is NaN,
 traces the step again with forward values, and names the op that made it:
 LogBackward0 in ``features``, at the ``torch.log`` line.
 

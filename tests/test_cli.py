@@ -336,7 +336,7 @@ def test_eval_flag_and_mode_restored(runner, tmp_path):
         ),
         ("import torch.nn as nn\nmodel = nn.Linear(2, 2)\n", [], 2, ["no inputs", "-i"]),
         (MLP_FILE, ["-i", "float32[8,x]"], 2, ["'float32[8,x]'", "DTYPE"]),
-        (MLP_FILE, ["-i", "float32[3,5]"], 3, ["forward in module '0' (Linear)", "RuntimeError", "float32[3, 5]"]),
+        (MLP_FILE, ["-i", "float32[3,5]"], 3, ["forward in module '0' (Linear)", "RuntimeError", "input:0 float32[3,5]"]),
         (MLP_FILE, ["--filter", "("], 2, ["--filter"]),
         (
             "import torch\nimport torch.nn as nn\ndef build_model(width):\n    return nn.Linear(width, width)\n"
@@ -926,3 +926,62 @@ def test_a_run_that_fails_leaves_no_earlier_result_behind(runner, tmp_path):
     link.symlink_to(real)
     assert invoke(runner, "run", str(SAMPLES / "mlp.py"), "--json", str(link)).exit_code == 0
     assert link.is_symlink() and json.loads(real.read_text())["schema"] == "gradtrace/1"
+
+
+def test_a_model_whose_forward_takes_no_arguments_is_called_with_none(runner, tmp_path):
+    """A model that makes its own input (a learned query, a generator's fixed noise): no -i needed."""
+    path = write_model(
+        tmp_path,
+        """
+        import torch
+        from torch import nn
+
+        class Noargs(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.query = nn.Parameter(torch.ones(4, 3))
+
+            def forward(self):
+                return self.query.pow(2).sum()
+
+        model = Noargs()
+        """,
+    )
+    result = invoke(runner, "run", str(path), "--json", "-")
+    assert result.exit_code == 0, result.stderr
+    doc = strict_json(result.stdout)
+    (leaf,) = [n for n in doc["nodes"] if n["param"] == "query"]
+    assert leaf["grad_outputs"][0]["norm"] == pytest.approx(2.0 * (12 ** 0.5))  # d(sum q^2)/dq = 2q, all ones
+
+
+def test_the_traceback_of_a_user_error_leaves_out_the_standard_library(runner, tmp_path):
+    """argparse exits from six frames of its own: the user's line that called it is what helps."""
+    path = write_model(
+        tmp_path,
+        """
+        import argparse
+
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--data", required=True)
+        args = parser.parse_args()
+        """,
+    )
+    result = invoke(runner, "run", str(path))
+    assert result.exit_code == 3
+    assert "args = parser.parse_args()" in result.stderr and "argparse.py" not in result.stderr
+    assert "required one" in result.stderr
+
+
+def test_a_package_module_run_by_path_gets_its_import_path_as_a_hint(runner, tmp_path, monkeypatch):
+    package = tmp_path / "hintpkg" / "sub"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "hintpkg", package):
+        (folder / "__init__.py").write_text("")
+    (tmp_path / "hintpkg" / "layers.py").write_text("import torch\n\ndef make():\n    return torch.nn.Linear(2, 2)\n")
+    (package / "models.py").write_text(
+        "import torch\nfrom ..layers import make\n\nmodel = make()\n\ndef example_inputs():\n    return torch.randn(3, 2)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    result = invoke(runner, "run", "hintpkg/sub/models.py")
+    assert result.exit_code == 3 and "gradtrace run hintpkg.sub.models" in result.stderr
+    assert invoke(runner, "run", "hintpkg.sub.models").exit_code == 0  # and the hint works

@@ -544,7 +544,7 @@ def test_the_input_hint_comes_only_with_errors_that_inputs_can_cause():
     assert caught.value.hint is None
     with pytest.raises(UserCodeError) as caught:
         trace(nn.Linear(3, 2), torch.randn(2, 4))
-    assert "input:0 float32[2, 4]" in caught.value.hint
+    assert "input:0 float32[2,4]" in caught.value.hint
 
 
 def test_zero_dim_output_is_the_loss():

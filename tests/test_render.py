@@ -6,6 +6,7 @@ Regenerate the golden files after an intended change of the output with
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -214,3 +215,53 @@ def test_lines_for_nodes_not_shown_say_where_the_nan_starts(options):
     counted = sum(int(n) for n in re.findall(r", (\d+) non-finite", text))
     drawn_bad = len(re.findall(r"[├└]── #\d+ .*← nan", text))
     assert counted + drawn_bad == len(result.nonfinite_nodes())
+
+
+def test_a_node_with_a_thousand_gradients_is_one_short_line():
+    """A stack of 1,000 tensors: the first few gradients, then how many more and the largest, or how many
+    are non-finite, so that a NaN among them still shows."""
+    x = torch.randn(2, 4)
+    for poisoned in (False, True):
+        weights = torch.ones(1000, 1, 1)
+        if poisoned:
+            weights[700] = float("nan")  # the gradient stack sends its 701st input
+        result = trace(lambda t, w=weights: (torch.stack([t * 1.0 for _ in range(1000)]) * w).sum(), x)
+        console = Console(width=2000, color_system=None, record=True, file=io.StringIO())
+        console.print(render_trace(result, TreeOptions(view="graph")))
+        (line,) = [line for line in console.export_text().splitlines() if "StackBackward0  grad_in" in line]
+        assert "… 986 more" in line and len(line) < 600, line
+        assert ("(1 non-finite)" in line) == poisoned, line
+
+
+def test_the_module_view_folds_siblings_past_the_node_budget_into_one_line():
+    """3,000 sibling modules: past --max-nodes, ten of them a line each, the rest one line that counts them."""
+    model = torch.nn.Sequential(*[torch.nn.Tanh() for _ in range(300)])
+    result = trace(model, torch.randn(2, 2))
+    text = render_text(result, TreeOptions(max_nodes=3))
+    lines = text.splitlines()
+    assert len(lines) < 40, text
+    (folded,) = [line for line in lines if "more modules" in line]
+    assert "… 289 more modules, 289 nodes not shown" in folded
+    assert sum(1 for line in lines if line.rstrip().endswith("1 node not shown")) == 10
+
+
+def test_the_filter_matches_names_as_the_tree_shows_them_and_says_when_nothing_matches():
+    import re
+
+    result = trace(load_sample("mlp").build_model(), load_sample("mlp").example_inputs())
+    leaves = render_text(result, TreeOptions(pattern="^AccumulateGrad$", max_nodes=None))
+    assert len(re.findall(r"#\d+ AccumulateGrad", leaves)) == sum(1 for n in result.nodes if n.is_leaf) > 0
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.fc(x) * 2.0  # the multiplication is the model's own op: module "", shown as <root>
+
+    scaled = trace(Scaled(), torch.randn(2, 3))
+    root = render_text(scaled, TreeOptions(pattern="^<root>$", max_nodes=None))
+    at_root = [n for n in scaled.nodes if n.module == ""]
+    assert at_root and all(f"#{n.id} " in root for n in at_root)
+    nothing = render_text(result, TreeOptions(pattern="NoSuchNode"))
+    assert "no node matches --filter 'NoSuchNode'" in nothing and "no node matches" not in leaves

@@ -598,12 +598,20 @@ def _refuse_outputs(outputs: list[tuple[str, str | None]], read: list[str], what
         real = os.path.realpath(path) if path else path
         if real in read_paths:
             raise UsageError(f"{option} {path} would write over a file this run reads ({what_is_read})")
+        if os.path.splitext(path)[1].lower() in _SOURCE_SUFFIXES:  # a module the model imports, an import-path target's file
+            raise UsageError(
+                f"{option} {path} would write over Python code", hint=f"name a file for {option} such as out{_SUFFIX[option]}"
+            )
         if real in written:
             raise UsageError(f"{written[real]} and {option} both name {path}: each output needs a file of its own")
         written[real] = option
     for option, path in outputs:  # only once nothing is refused: a refused command removes nothing
         if path is not None and not (path == "-" and option == "--json"):
             _check_writable(path, option)
+
+
+_SOURCE_SUFFIXES = (".py", ".pyi", ".pyc", ".pyd", ".so", ".pth")
+_SUFFIX = {"--json": ".json", "--junit-xml": ".xml", "--svg": ".svg", "--html": ".html", "--dot": ".dot"}
 
 
 def _check_writable(path: str, option: str) -> None:

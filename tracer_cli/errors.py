@@ -82,7 +82,8 @@ class UserCodeError(ModelError):
         summary = printable("".join(traceback.format_exception_only(type(exc), exc)).strip())
         if isinstance(exc, SystemExit) and hint is None:
             hint = (
-                "the model's code called sys.exit() or os._exit() (argparse does on arguments it does not know): a model file is "
+                "the model's code called sys.exit() or os._exit() (argparse does on an argument it does not know, or on a "
+                "required one: sys.argv is [path] here): a model file is "
                 'imported, so keep script code under if __name__ == "__main__":'
             )
         if hint is None and "default process group twice" in str(exc):
@@ -148,8 +149,24 @@ def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
     if isinstance(exc, SyntaxError):
         return []
     skip = _library_dirs()
+    stdlib = _stdlib_dir()
     return [
         frame
         for frame in traceback.extract_tb(exc.__traceback__)
-        if not frame.filename.startswith(skip) and not frame.filename.startswith("<frozen ")
+        if not frame.filename.startswith(skip)
+        and not frame.filename.startswith("<frozen ")
+        # the standard library's frames (argparse, importlib), not the packages installed beside it
+        and not (stdlib and frame.filename.startswith(stdlib) and not _SITE.search(frame.filename))
     ]
+
+
+_SITE = re.compile(r"[/\\](site|dist)-packages[/\\]")
+
+
+def _stdlib_dir() -> str | None:
+    import sysconfig
+
+    try:
+        return os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
+    except (KeyError, OSError):
+        return None

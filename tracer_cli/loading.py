@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any, Callable, Iterator
 
 from .errors import USER_CODE_ERRORS, ModelError, UsageError, UserCodeError
+from .records import a_or_an
 
 DEFAULT_NAMES = ("model", "build_model")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -69,7 +70,7 @@ def split_inputs(value: Any, source: str) -> tuple[tuple, dict]:
     if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):  # a dict, a tokenizer's BatchEncoding
         return (), dict(value)
     raise ModelError(
-        f"{source} returned a {type(value).__name__}",
+        f"{source} returned {a_or_an(type(value).__name__)}",
         hint="return a Tensor, a tuple of positional arguments, or a dict (any mapping) of keyword arguments",
     )
 
@@ -126,8 +127,24 @@ def _import_file(path: str) -> ModuleType:
         raise ModelError(f"syntax error in {where}: {exc.msg}", hint=(exc.text or "").rstrip() or None) from exc
     except USER_CODE_ERRORS as exc:
         sys.modules.pop(module_name, None)
-        raise UserCodeError(f"importing {os.path.relpath(path)}", exc) from exc
+        hint = None
+        if isinstance(exc, ImportError) and "no known parent package" in str(exc):
+            dotted, root = _dotted_name(path)
+            if "." in dotted:  # a module of a package, imported by path: by its import path, its relative imports work
+                where = "" if os.path.samefile(root, os.getcwd()) else f" from {os.path.relpath(root)}"
+                hint = f"it is part of a package, so run it by its import path{where}: gradtrace run {dotted}"
+        raise UserCodeError(f"importing {os.path.relpath(path)}", exc, hint=hint) from exc
     return module
+
+
+def _dotted_name(path: str) -> tuple[str, str]:
+    """``(package.module, folder to run from)`` of a file inside packages (folders with ``__init__.py``)."""
+    folder, stem = os.path.split(os.path.abspath(path))
+    parts = [os.path.splitext(stem)[0]]
+    while os.path.isfile(os.path.join(folder, "__init__.py")):
+        folder, package = os.path.split(folder)
+        parts.insert(0, package)
+    return ".".join(parts), folder
 
 
 _target_folders: list[str] = []  # the folders of the model files imported so far, in this process
@@ -216,7 +233,7 @@ def resolve_model(value: Any, label: str) -> Any:
         return value
     if not callable(value):
         raise ModelError(
-            f"{label} is a {type(value).__name__}, not a model",
+            f"{label} is {a_or_an(type(value).__name__)}, not a model",
             hint="point the target at an nn.Module, a callable, or a factory that returns one",
         )
     if not _is_factory(value):
@@ -245,7 +262,7 @@ def resolve_model(value: Any, label: str) -> Any:
                 f"; {value.__name__} was called as a factory because all its parameters have defaults: "
                 "a function that computes the output from the inputs needs a required parameter"
             )
-        raise ModelError(f"{label}() returned a {type(built).__name__}, not a model", hint=hint)
+        raise ModelError(f"{label}() returned {a_or_an(type(built).__name__)}, not a model", hint=hint)
     return built
 
 
@@ -317,7 +334,7 @@ def _load(target: str, kind: str, location: str, name: str | None) -> LoadedTarg
     model = resolve_model(getattr(source, chosen), f"{where}:{chosen}")
     loss_fn = getattr(source, "loss_fn", None)
     if loss_fn is not None and not callable(loss_fn):
-        raise ModelError(f"{where}: loss_fn is a {type(loss_fn).__name__}, not a function")
+        raise ModelError(f"{where}: loss_fn is {a_or_an(type(loss_fn).__name__)}, not a function")
     return LoadedTarget(
         target=target,
         model=model,
@@ -402,6 +419,8 @@ def prepare_run(
         args, kwargs = load_inputs_file(inputs_file, device=torch_device)
     else:
         found = loaded.inputs()
+        if found is None and _takes_no_arguments(loaded.model):  # forward(self): it makes its own inputs
+            found = ((), {})
         if found is None:
             raise UsageError(
                 f"no inputs for {target}",
@@ -410,6 +429,25 @@ def prepare_run(
         with _no_data_is_a_model_error("example_inputs()"):
             args, kwargs = _to_device(found, torch_device)
     return PreparedRun(loaded, args, kwargs)
+
+
+def _takes_no_arguments(model: Any) -> bool:
+    """Whether the model can be called with no arguments at all (a forward with none, or only defaults)."""
+    import torch
+
+    function = model.forward if isinstance(model, torch.nn.Module) else model
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin, a C function: unknown
+        return False
+    return not any(
+        parameter.default is inspect.Parameter.empty
+        and parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        for parameter in signature.parameters.values()
+    ) and not any(
+        parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        for parameter in signature.parameters.values()
+    )
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from .errors import USER_CODE_ERRORS, ModelError, UsageError, UserCodeError
+from .records import a_or_an
 
 REDUCTIONS = ("sum", "mean")
 
@@ -43,7 +44,7 @@ def _as_scalar(loss: Any, source: str) -> Any:
 
     if not isinstance(loss, torch.Tensor):
         raise ModelError(
-            f"{source} is a {type(loss).__name__}, not a tensor",
+            f"{source} is {a_or_an(type(loss).__name__)}, not a tensor",
             hint="return a scalar tensor from loss_fn, or let gradtrace reduce the output",
         )
     if loss.numel() != 1:

@@ -347,6 +347,11 @@ def short_name(name: str) -> str:
     return name.rsplit("::", 1)[-1]
 
 
+def a_or_an(word: str) -> str:
+    """``a NoneType``, ``an int``: the article for a word, by its first letter."""
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+
+
 def listed(items: Sequence[str], limit: int) -> str:
     """``"a, b, c and 4 more"``: the first ``limit`` items, then how many are left out."""
     return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")

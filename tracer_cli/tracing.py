@@ -750,8 +750,8 @@ class _Stats:
                     if tensor.dim() == 2 and tensor.t().is_contiguous():  # a weight's gradient, transposed back
                         flat = tensor.t().view(-1)
                         return self._dot(flat, flat, out=out), True
-                except Exception:  # a subclass that cannot be flattened (an unevenly sharded DTensor): a norm
-                    pass
+                except (RuntimeError, NotImplementedError, TypeError):  # a subclass that cannot be flattened (an
+                    pass  # unevenly sharded DTensor): a norm below
             values = self._elements(tensor)
             # float32 or wider, so bf16/fp16 gradients do not overflow the norm
             wide = {} if tensor.dtype in self._wide else {"dtype": self._float32}
@@ -1659,7 +1659,7 @@ def _storage_freed(tensor: Any) -> bool:
     forward): its elements are not there to read (reading them crashed the process)."""
     try:
         return tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0
-    except Exception:  # a subclass without storage: not this case
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # a subclass without storage: not this case
         return False
 
 
@@ -2035,7 +2035,7 @@ def _input_hint(infos: list[InputInfo], exc: BaseException, input_grad: bool) ->
         )
     if not infos or not isinstance(exc, _INPUT_ERROR_TYPES):  # a NameError is no question of inputs
         return None
-    shapes = ", ".join(f"{i.name} {i.dtype}{list(i.shape)}" for i in infos)
+    shapes = ", ".join(f"{i.name} {i.dtype}[{','.join(map(str, i.shape))}]" for i in infos)  # the -i grammar
     return f"the model was called with {shapes}; check the inputs (the -i specs, or example_inputs())"
 
 

@@ -102,12 +102,26 @@ def _stat_text(stat: GradStat | None, styler: _Styler) -> Text:
     return text
 
 
+STATS_SHOWN = 16  # a node with more gradients (a stack of 1,000 tensors) shows the first few and a summary
+
+
 def _stats_text(label: str, stats: Iterable[GradStat | None], styler: _Styler) -> Text:
+    stats = list(stats)
+    shown = stats if len(stats) <= STATS_SHOWN else stats[: STATS_SHOWN - 2]
     text = Text(f"  {label} ", style="dim")
-    for index, stat in enumerate(stats):
+    for index, stat in enumerate(shown):
         if index:
             text.append(", ", style="dim")
         text.append_text(_stat_text(stat, styler))
+    rest = [stat for stat in stats[len(shown):] if stat is not None]
+    if len(shown) < len(stats):
+        text.append(f", … {len(stats) - len(shown)} more", style="dim")
+        nonfinite = [stat for stat in rest if stat.finite is False]
+        norms = [stat.norm for stat in rest if stat.norm is not None and stat.finite is not False]
+        if nonfinite:
+            text.append(f" ({len(nonfinite)} non-finite)", style=styler.style(nonfinite[0]))
+        elif norms:
+            text.append(f" (largest ‖{format_norm(max(norms))}‖)", style="dim")
     return text
 
 
@@ -203,9 +217,14 @@ def _matcher(pattern: str | None):
     if pattern is None:
         return lambda node: True
     regex = re.compile(pattern)
+    # the names as the tree shows them (AccumulateGrad, <root>) and as the JSON has them (torch::autograd::…, "")
     return lambda node: any(
-        value is not None and regex.search(value) for value in (node.name, node.module, node.param)
+        value is not None and regex.search(value)
+        for value in (node.name, short_name(node.name), node.module, ROOT if node.module == "" else None, node.param)
     )
+
+
+ROOT = "<root>"  # how the tree shows the model itself as a module
 
 
 def _execution_key(node: Node) -> tuple[int, int]:
@@ -266,7 +285,7 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
 
     def add_module(parent: Tree, path: str) -> None:
         kind = trace.meta.module_types.get(path)
-        label = Text(path.rpartition(".")[2] if path else "<root>", style="bold blue")
+        label = Text(path.rpartition(".")[2] if path else ROOT, style="bold blue")
         if kind:
             label.append(f" ({kind})", style="blue")
         if budget.spent:  # one line for the whole module
@@ -282,13 +301,32 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
             _summarise(branch, count(path)[len(own):], styler)
             return
         add_nodes(branch, by_module.get(path, []))
-        for child in children.get(path, ()):
-            add_module(branch, child)
+        add_modules(branch, children.get(path, []))
 
-    tops = [""] if "" in paths else children.get(None, [])
-    for top in tops:
-        add_module(root, top)
+    def add_modules(branch: Tree, paths: list[str]) -> None:
+        """Each module; once the budget is spent, a line each for the first FOLDED_MODULES, then one for the rest."""
+        folded = 0
+        for index, path in enumerate(paths):
+            if budget.spent:
+                if folded == FOLDED_MODULES:
+                    rest = paths[index:]
+                    hidden = [node for other in rest for node in count(other)]
+                    budget.hidden += len(hidden)
+                    text = Text(
+                        f"… {len(rest)} more {_plural(len(rest), 'module')}, {len(hidden)} "
+                        f"{_plural(len(hidden), 'node')} not shown",
+                        style="dim",
+                    )
+                    branch.add(text.append_text(_hidden_marks(hidden, styler)))
+                    return
+                folded += 1
+            add_module(branch, path)
+
+    add_modules(root, [""] if "" in paths else children.get(None, []))
     return root
+
+
+FOLDED_MODULES = 10  # modules past --max-nodes shown as a line each, per parent; the rest are one line
 
 
 def _plural(count: int, word: str) -> str:
@@ -554,6 +592,8 @@ def render_trace(trace: Trace, options: TreeOptions | None = None) -> Renderable
     header.append(f"\n{view_title}", style="dim")
     tree, hidden = render_tree(trace, options)
     parts: list[RenderableType] = [header, tree]
+    if options.pattern is not None and not any(map(_matcher(options.pattern), trace.nodes)):
+        parts.append(Text(f"no node matches --filter {options.pattern!r} (node names, modules, parameters)", style="yellow"))
     if hidden:
         parts.append(
             Text(
