@@ -36,10 +36,11 @@ def recording_calls(
     """Record each custom Function call under ``id(node)`` (and, with ``sites``, where it was made; with
     ``on_output``, its output: no TorchFunctionMode sees it).
 
-    The record is ``(node, Function class, args, kwargs, tensor_mask)``: ``tensor_mask``
+    The record is ``(node, Function class, args, kwargs, tensor_mask, outputs)``: ``tensor_mask``
     says which positional arguments were tensors (the backward returns one gradient per
-    argument, the engine keeps those of tensors). ``args`` and ``kwargs`` are kept only
-    with ``keep_args`` (they hold the inputs alive until the check).
+    argument, the engine keeps those of tensors); ``outputs`` is ``(shape, dtype, device)`` of
+    each tensor output, in order (what the backward receives a gradient for). ``args`` and
+    ``kwargs`` are kept only with ``keep_args`` (they hold the inputs alive until the check).
     """
     import torch
 
@@ -58,11 +59,13 @@ def recording_calls(
             on_output(output)
         if calls is None:
             return output
-        for tensor in _tensors_in(output, torch.Tensor):
+        tensors = _tensors_in(output, torch.Tensor)
+        for tensor in tensors:
             if tensor.grad_fn is not None:
                 mask = tuple(isinstance(a, torch.Tensor) for a in args)
                 kept = (args, kwargs) if keep_args else (None, None)
-                calls[id(tensor.grad_fn)] = (tensor.grad_fn, cls, *kept, mask)
+                outputs = tuple((t.shape, t.dtype, t.device) for t in tensors)
+                calls[id(tensor.grad_fn)] = (tensor.grad_fn, cls, *kept, mask, outputs)
                 break
         return output
 

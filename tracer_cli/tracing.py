@@ -1318,9 +1318,10 @@ class _TraceSession:
         try:
             with torch.no_grad():
                 if isinstance(node, self._custom_type):
-                    again = node.apply(*_materialized(node, grad_outputs))
-                    again = again if isinstance(again, tuple) else (again,)
                     call = self.custom_calls.get(id(node))
+                    outputs = call[5] if call is not None and call[0] is node else None
+                    again = node.apply(*_materialized(node, grad_outputs, outputs))
+                    again = again if isinstance(again, tuple) else (again,)
                     if call is not None and call[0] is node:  # keep the gradients of tensor arguments
                         again = tuple(g for g, is_tensor in zip(again, call[4]) if is_tensor)
                 else:
@@ -1366,7 +1367,7 @@ class _TraceSession:
         for node_id, node in enumerate(self.nodes):
             call = self.custom_calls.get(id(node))
             if call is not None and call[0] is node:
-                _, function_class, args, kwargs, _ = call
+                _, function_class, args, kwargs, _, _ = call
                 self.gradchecks[node_id] = check(function_class, args, kwargs)
         self.custom_calls.clear()
 
@@ -1709,17 +1710,23 @@ def _column(length: int, values: dict[int, Any]) -> Any:
     return column
 
 
-def _materialized(node: Any, grad_outputs: tuple) -> tuple:
+def _materialized(node: Any, grad_outputs: tuple, outputs: tuple | None) -> tuple:
     """A custom Function's gradients as the engine hands them to its backward: zeros for an unused output
-    (``ctx.set_materialize_grads`` is on by default; a backward written for None handles zeros alike)."""
+    (``ctx.set_materialize_grads`` is on by default; a backward written for None handles zeros alike).
+    ``outputs``: ``(shape, dtype, device)`` of each output, as recorded in forward (the node's own
+    ``_input_metadata`` where torch has it)."""
     if all(grad is not None for grad in grad_outputs):
         return grad_outputs
     import torch
 
-    metadata = node._input_metadata
+    metadata = getattr(node, "_input_metadata", None)
+    if metadata is not None:
+        outputs = tuple((meta.shape, meta.dtype, meta.device) for meta in metadata)
+    if outputs is None or len(outputs) != len(grad_outputs):
+        return grad_outputs
     return tuple(
-        torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device) if grad is None and meta.shape is not None else grad
-        for grad, meta in zip(grad_outputs, metadata)
+        torch.zeros(shape, dtype=dtype, device=device) if grad is None and shape is not None else grad
+        for grad, (shape, dtype, device) in zip(grad_outputs, outputs)
     )
 
 
