@@ -620,6 +620,27 @@ def test_gradcheck_checks_a_smooth_function_where_its_derivative_vanishes():
     assert check.passed is False and check.error is None
 
 
+def test_gradcheck_quotes_an_error_of_the_function_in_one_printable_line():
+    """A Function that refuses float64 with a bare ``assert`` (no message), or with a message holding
+    a terminal escape code: no verdict, and the note says why without breaking."""
+
+    def only_float32(x):
+        if x.dtype != torch.float32:
+            raise AssertionError  # as a bare assert outside pytest's rewriting
+        return x * 2
+
+    def loud(x):
+        if x.dtype != torch.float32:
+            raise TypeError("\x1b[31mfloat32 only\x1b[0m\nsecond line")
+        return x * 2
+
+    x = torch.randn(4, 8)
+    check = _gradcheck_of(_elementwise_function("Float32Only", only_float32, lambda x: 2 + 0 * x), x)
+    assert check.passed is None and check.error == "AssertionError"
+    check = _gradcheck_of(_elementwise_function("Loud", loud, lambda x: 2 + 0 * x), x)
+    assert check.passed is None and check.error == "TypeError: \\x1b[31mfloat32 only\\x1b[0m"
+
+
 def test_check_fails_on_gradcheck_and_passes_correct_functions():
     bad = invoke("check", str(SAMPLES_DIR / "wrong_backward.py"), "--gradcheck")
     assert bad.exit_code == 1

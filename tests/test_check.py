@@ -756,6 +756,8 @@ def test_a_columns_value_that_is_no_width_is_ignored(tmp_path, columns):
     assert job.returncode == 1
     (row,) = [line for line in job.stdout.decode().splitlines() if line.startswith("FAIL  nonfinite")]
     assert "a latent inf" in row  # one line, not folded at 80 columns nor at none
+    error = _gradtrace("check", "missing.py", cwd=tmp_path, COLUMNS=columns)
+    assert error.returncode == 2 and b"model file not found: missing.py" in error.stderr  # stderr too
 
 
 def test_in_a_narrow_terminal_each_finding_keeps_its_text():

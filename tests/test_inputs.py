@@ -497,12 +497,15 @@ def test_tensors_in_a_dataclass_or_a_dict_subclass_input_get_gradients_and_names
     @dataclasses.dataclass
     class Batch:
         x: torch.Tensor
-        scale: float = 2.0
+        scale: float = 1.0
+        repeats: int = dataclasses.field(init=False, default=1)  # set after construction: kept as it was set
 
     torch.manual_seed(0)
     fc = torch.nn.Linear(4, 2)
     x = torch.randn(3, 4)
-    by_dataclass = trace(lambda batch: fc(batch.x * batch.scale), Batch(x))
+    batch = Batch(x, scale=2.0)
+    batch.repeats = 3
+    by_dataclass = trace(lambda batch: fc(batch.x * batch.scale) * batch.repeats / 3, batch)
     by_ordered = trace(lambda batch: fc(batch["x"]) if isinstance(batch, OrderedDict) else None, OrderedDict(x=x))
     expected = (fc.weight.detach().sum(0) * 2.0).expand(3, 4).norm()  # d(sum(fc(2x)))/dx
     assert [i.name for i in by_dataclass.meta.inputs] == ["input:0.x"]

@@ -234,7 +234,7 @@ def test_a_node_with_a_thousand_gradients_is_one_short_line():
 
 
 def test_the_module_view_folds_siblings_past_the_node_budget_into_one_line():
-    """3,000 sibling modules: past --max-nodes, ten of them a line each, the rest one line that counts them."""
+    """300 sibling modules: past --max-nodes, ten of them a line each, the rest one line that counts them."""
     model = torch.nn.Sequential(*[torch.nn.Tanh() for _ in range(300)])
     result = trace(model, torch.randn(2, 2))
     text = render_text(result, TreeOptions(max_nodes=3))
@@ -263,5 +263,15 @@ def test_the_filter_matches_names_as_the_tree_shows_them_and_says_when_nothing_m
     root = render_text(scaled, TreeOptions(pattern="^<root>$", max_nodes=None))
     at_root = [n for n in scaled.nodes if n.module == ""]
     assert at_root and all(f"#{n.id} " in root for n in at_root)
-    nothing = render_text(result, TreeOptions(pattern="NoSuchNode"))
-    assert "no node matches --filter 'NoSuchNode'" in nothing and "no node matches" not in leaves
+    nothing = render_text(result, TreeOptions(pattern=r"No\dSuch Node"))  # quoted as it would be typed
+    assert "no node matches --filter 'No\\dSuch Node'" in nothing and "no node matches" not in leaves
+
+
+@pytest.mark.parametrize(
+    "word, phrase",
+    [("int", "an int"), ("NoneType", "a NoneType"), ("UserDict", "a UserDict"), ("uint8", "a uint8"), ("inf", "an inf"), ("nan", "a nan")],
+)
+def test_messages_take_the_article_a_word_is_read_with(word, phrase):
+    from tracer_cli.records import a_or_an
+
+    assert a_or_an(word) == phrase

@@ -266,3 +266,16 @@ def test_a_hook_on_the_accumulategrad_node_that_scales_grad_shows_in_param_grads
     assert dict(result.param_grads)["weight"].norm == pytest.approx(float(model.weight.grad.double().norm()), rel=1e-5)
     assert result.leaf("weight").grad_norm == pytest.approx(float(model.weight.grad.double().norm()) / 10.0, rel=1e-5)
     del accumulator
+
+
+def test_post_accumulate_grad_hooks_of_a_reentrant_checkpoint_s_parameters_are_held_back_too():
+    """The checkpointed segment's graph is made again during backward: its parameters' hooks must not step."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    inner, outer = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    steps = []
+    for param in (*inner.parameters(), *outer.parameters()):
+        param.register_post_accumulate_grad_hook(lambda p: steps.append(p))
+    result = trace(lambda x: outer(checkpoint(inner, x, use_reentrant=True)).sum(), torch.randn(2, 4))
+    assert steps == [] and "inner.weight" in dict(result.param_grads)

@@ -87,6 +87,9 @@ def test_bad_arguments():
     model, x = seeded("mlp")
     with pytest.raises(ValueError, match="gradchek"):
         assert_gradients_healthy(model, (x,), fail_on="gradchek")
+    for threshold in (True, "1.0", -1.0, float("nan")):
+        with pytest.raises(ValueError, match="a number from 0 up"):
+            assert_gradients_healthy(model, (x,), max_grad_norm=threshold)
     with pytest.raises(ValueError, match="above max_grad_norm"):
         assert_gradients_healthy(model, (x,), max_grad_norm=1.0, min_grad_norm=2.0)
     # a check that would not run must not pass a test silently (as the command line refuses it)

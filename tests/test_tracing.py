@@ -914,3 +914,47 @@ def test_a_parameter_whose_grad_backward_filled_is_not_without_gradient():
     assert result.params_without_grad == ("unused.bias",)
     assert dict(result.param_grads)["unused.weight"].norm == pytest.approx(2.0)
     del accumulator
+
+
+# Code a plain function reaches through a class of its file, a decorator, and a decorated top-level function.
+_reached = nn.Linear(4, 4)
+
+
+class _Pipeline:
+    def run(self, x):
+        return _reached(x).sum()
+
+
+def _decorated(function):
+    import functools
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+@_decorated
+def _decorated_helper(x):
+    return _reached(x)
+
+
+def _through_a_class(x):
+    return _Pipeline().run(x)
+
+
+def _through_a_decorated_helper(x):
+    return _decorated_helper(x).sum()
+
+
+@_decorated
+def _decorated_model(x):
+    return _reached(x).sum()
+
+
+@pytest.mark.parametrize("model", [_through_a_class, _through_a_decorated_helper, _decorated_model])
+def test_a_plain_function_reaches_modules_through_classes_and_decorators(model):
+    result = trace(model, torch.randn(2, 4))
+    assert result.meta.module_types == {"_reached": "Linear"}
+    assert {n.param for n in result if n.is_leaf} == {"_reached.weight", "_reached.bias", "input:0"}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 from .compare import who_differs
-from .records import Node, Trace, joint_norm, listed, short_name
+from .records import Node, Trace, a_or_an, joint_norm, listed, short_name
 
 CHECKS = ("nonfinite", "nograd", "zero", "norm", "divergence", "gradcheck", "replay")
 CHECK_DEFAULT_FAILING = ("nonfinite", "nograd", "gradcheck")  # gradcheck and replay run only when asked for
@@ -241,8 +241,7 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
         root = made or (trace.nodes[0] if trace.nodes else None)
         if made is not None:
             message = (
-                f"the loss is {kind}: forward made {'an' if made.forward.nonfinite_kind == 'inf' else 'a'} "
-                f"{made.forward.nonfinite_kind} first at #{made.id} {made.label()}"
+                f"the loss is {kind}: forward made {a_or_an(made.forward.nonfinite_kind)} first at #{made.id} {made.label()}"
                 + trace.unrecorded_note(made)
             )
         else:

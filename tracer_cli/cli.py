@@ -64,7 +64,22 @@ def _root(
 def _stderr_console() -> Any:
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    width = _width(console.is_terminal)
+    if width is not None:
+        console.width = width
+    return console
+
+
+def _width(terminal: bool) -> int | None:
+    """The width for a console where ``COLUMNS`` is set but is no width (0, empty, ``abc``: Rich took 0, and
+    printed nothing); None where Rich's own choice stands."""
+    import os
+
+    columns = os.environ.get("COLUMNS")
+    if columns is None or (columns.strip().isdigit() and int(columns) > 0):
+        return None
+    return shutil.get_terminal_size().columns if terminal else _LOG_WIDTH
 
 
 def _error_lines(error: BaseException, debug: bool) -> tuple[list[tuple[str, str]], int]:
@@ -104,7 +119,8 @@ def _report(error: BaseException, debug: bool, prefix: str = "") -> int:
     stderr = _stderr_console()
     buffer = io.StringIO()
     console = Console(
-        file=buffer, force_terminal=stderr.is_terminal, color_system=stderr.color_system, soft_wrap=True, highlight=False
+        file=buffer, force_terminal=stderr.is_terminal, color_system=stderr.color_system, soft_wrap=True, highlight=False,
+        width=stderr.width,
     )
     for text, style in lines:
         for line in text.splitlines() or [""]:  # a message of several lines (load_state_dict's): each prefixed
@@ -482,12 +498,11 @@ def _options(ctx: typer.Context) -> _Options:
         else:
             fail_on = tuple(check for check in fail_on if check not in both)
     # asked for on the command line of one process, it would check nothing (a config shared with torchrun jobs may)
-    named = [option for option, key, checks in (("--fail-on", "fail_on", fail_on), ("--warn-on", "warn_on", warn_on))
-             if key in given and "divergence" in checks]
-    if named and ctx.params.get("nproc_per_node") is None and rank_info() is None:
-        option = named[0]
+    divergence_options = [option for option, key, checks in (("--fail-on", "fail_on", fail_on), ("--warn-on", "warn_on", warn_on))
+                          if key in given and "divergence" in checks]
+    if divergence_options and ctx.params.get("nproc_per_node") is None and rank_info() is None:
         raise UsageError(
-            f"{option} divergence compares ranks: it needs torchrun (or --nproc-per-node N)",
+            f"{divergence_options[0]} divergence compares ranks: it needs torchrun (or --nproc-per-node N)",
             hint="run under torchrun --nproc-per-node N --no-python gradtrace check ..., or leave divergence out",
         )
     from_config = {name for name in params if name not in given and params[name] != ctx.params.get(name)}
@@ -527,10 +542,10 @@ def _options(ctx: typer.Context) -> _Options:
         )
     inputs = params["inputs"]
     if params["input"] and inputs is not None:  # either on the command line replaces both config keys
-        from_config = not {"input", "inputs"} & _given(ctx)
+        both_in_config = not {"input", "inputs"} & _given(ctx)
         raise UsageError(
-            "[tool.gradtrace] sets both input and inputs" if from_config else "use either --input specs or --inputs FILE, not both",
-            hint="keep one of the two keys in pyproject.toml" if from_config else None,
+            "[tool.gradtrace] sets both input and inputs" if both_in_config else "use either --input specs or --inputs FILE, not both",
+            hint="keep one of the two keys in pyproject.toml" if both_in_config else None,
         )
     return _Options(
         command=command,
@@ -1017,14 +1032,10 @@ def _log_console(record: bool = False, silent: bool = False, stderr: bool = Fals
         terminal = stream.isatty()
     except (AttributeError, ValueError):  # no stream, or a closed one
         terminal = False
-    columns = os.environ.get("COLUMNS")
-    usable = columns is not None and columns.strip().isdigit() and int(columns) > 0  # COLUMNS=0 printed nothing
     if terminal:
-        # Rich takes COLUMNS as it is: where it is not a width, the terminal's (shutil skips such a COLUMNS)
-        width = None if usable or columns is None else shutil.get_terminal_size().columns
-        return Console(highlight=False, record=record, stderr=stderr, width=width)
+        return Console(highlight=False, record=record, stderr=stderr, width=_width(terminal=True))
     # a log, also one that keeps colours (FORCE_COLOR): a table pads its cells, but no line of it ends in spaces
-    width = int(columns) if usable else _LOG_WIDTH
+    width = None if "COLUMNS" in os.environ and _width(terminal=False) is None else _LOG_WIDTH
     return Console(highlight=False, record=record, width=width, file=_LineEndsTrimmed(stream))
 
 

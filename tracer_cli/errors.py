@@ -120,6 +120,13 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
+def first_line(exc: BaseException, limit: int) -> str:
+    """``Type: the message's first line``, cut at ``limit`` characters and printable: a note that quotes an
+    error of the user's code in one line (a message may be empty, or hold escape codes)."""
+    lines = str(exc).strip().splitlines()
+    return printable(f"{type(exc).__name__}: {lines[0][:limit]}" if lines else type(exc).__name__)
+
+
 class InternalError(GradtraceError):
     """A bug in gradtrace itself (exit 70)."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
+from .errors import first_line
 from .records import Gradcheck
 from .tracing import _tensors_in
 
@@ -110,7 +111,7 @@ def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck:
             )
             mismatch, agree = _directional_mismatch(function, inputs)
     except Exception as exc:  # the Function does not run in float64, or raised: report it
-        return Gradcheck(None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+        return Gradcheck(None, None, first_line(exc, 300))
     if agree is None:  # PyTorch's check is misled by the same kink
         why = "not differentiable at the inputs it was called with (a kink, like ReLU's at 0)"
         return Gradcheck(None, mismatch, why)

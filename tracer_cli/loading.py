@@ -327,7 +327,7 @@ def _load(target: str, kind: str, location: str, name: str | None) -> LoadedTarg
         chosen = next((n for n in DEFAULT_NAMES if hasattr(source, n)), None)
         if chosen is None:
             candidates = _model_candidates(source)
-            hint = "define `model = ...` or `def build_model(): ...`, or pick one with TARGET:NAME"
+            hint = "define `model` (an nn.Module, or a function of the inputs) or `def build_model(): ...`, or pick one with TARGET:NAME"
             if candidates:
                 hint += f" (found: {', '.join(candidates)})"
             raise ModelError(f"{where} defines neither `model` nor `build_model`", hint=hint)
@@ -432,22 +432,15 @@ def prepare_run(
 
 
 def _takes_no_arguments(model: Any) -> bool:
-    """Whether the model can be called with no arguments at all (a forward with none, or only defaults)."""
+    """Whether the model's forward has no parameters at all (one with defaults only, a Hugging Face model's
+    ``forward(input_ids=None, ...)``, still needs inputs)."""
     import torch
 
     function = model.forward if isinstance(model, torch.nn.Module) else model
     try:
-        signature = inspect.signature(function)
+        return not inspect.signature(function).parameters
     except (TypeError, ValueError):  # a builtin, a C function: unknown
         return False
-    return not any(
-        parameter.default is inspect.Parameter.empty
-        and parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        for parameter in signature.parameters.values()
-    ) and not any(
-        parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        for parameter in signature.parameters.values()
-    )
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from .errors import USER_CODE_ERRORS, ModelError, UsageError, UserCodeError
+from .errors import USER_CODE_ERRORS, ModelError, UsageError, UserCodeError, first_line
 from .records import a_or_an
 
 REDUCTIONS = ("sum", "mean")
@@ -121,8 +121,7 @@ def compute_loss(
         raise
     except Exception as exc:  # a tensor type without a plain .sum() (a nested tensor), or terms on several devices
         raise ModelError(
-            f"the output could not be reduced to a loss ({paths}.{reduction}() raised {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:160] if str(exc) else ''})",
+            f"the output could not be reduced to a loss ({paths}.{reduction}() raised {first_line(exc, 160)})",
             hint="define loss_fn(output) in the model file (trace(..., loss_fn=...)) returning a scalar tensor",
         ) from exc
     rule = f"{paths}.{reduction}()" if len(chosen) == 1 else f"sum of .{reduction}() over {paths}"

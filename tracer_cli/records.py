@@ -348,8 +348,10 @@ def short_name(name: str) -> str:
 
 
 def a_or_an(word: str) -> str:
-    """``a NoneType``, ``an int``: the article for a word, by its first letter."""
-    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+    """``a NoneType``, ``an int``, ``a UserDict``: the article for a word, by how it begins."""
+    lower = word.lower()
+    vowel = lower[:1] in ("a", "e", "i", "o", "u") and not lower.startswith(("us", "uni", "uint", "eu", "one"))
+    return f"{'an' if vowel else 'a'} {word}"
 
 
 def listed(items: Sequence[str], limit: int) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import math
+import numbers
 from typing import Any, Callable, Iterable
 
 from .checks import (
@@ -77,7 +78,7 @@ def assert_gradients_healthy(
     from .tracing import trace
 
     for keyword, value in (("max_grad_norm", max_grad_norm), ("min_grad_norm", min_grad_norm)):
-        if value is not None and not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+        if value is not None and not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 <= value < math.inf):
             raise ValueError(f"{keyword} must be a number from 0 up, not {value!r}")
     thresholds = Thresholds(max_grad_norm, min_grad_norm)
     if max_grad_norm is not None and min_grad_norm is not None and min_grad_norm > max_grad_norm:

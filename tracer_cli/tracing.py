@@ -48,7 +48,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
-from .errors import USER_CODE_ERRORS, InternalError, ModelError, UserCodeError
+from .errors import USER_CODE_ERRORS, InternalError, ModelError, UserCodeError, first_line
 from .loss import compute_loss
 from .records import Gradcheck, GradStat, InputInfo, Meta, Node, NodeCall, Replay, Trace
 
@@ -62,10 +62,11 @@ def _dtype_name(dtype: Any) -> str:
 def _reachable(model: Any) -> list[tuple[str, Any]]:
     """Named values a plain callable's code can reach, where its modules and leaf tensors are looked for:
     a ``functools.partial``'s arguments and function, a bound method's ``self`` (its attributes), a
-    callable object's attributes, closure cells, and the module-level globals its code names (the
-    code of the functions, nested functions and lambdas it defines included, and of the functions of
-    the same file it calls, transitively). Not every global of its file: a notebook's or a test file's
-    other models are not part of it."""
+    callable object's attributes, closure cells, and the module-level globals its code names. The code
+    followed: the function's own (through decorators, ``__wrapped__``), the functions, nested functions
+    and lambdas it defines, and the functions and classes' methods of the same file it names or holds in
+    closures, transitively. Not every global of its file: a notebook's or a test file's other models are
+    not part of it."""
     import types
 
     found: list[tuple[str, Any]] = []
@@ -79,32 +80,70 @@ def _reachable(model: Any) -> list[tuple[str, Any]]:
     if not hasattr(function, "__code__") and hasattr(function, "__dict__"):  # a callable object
         found += list(vars(function).items())
         function = getattr(type(function).__call__, "__func__", type(function).__call__)
-    code = getattr(function, "__code__", None)
-    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(function, "__closure__", None) or ()):
-        try:
-            found.append((name, cell.cell_contents))
-        except ValueError:  # an empty cell
-            pass
+    found += _closure(function)
+    function = _unwrapped(function)
     module_globals = getattr(function, "__globals__", None)
-    if code is None or not isinstance(module_globals, dict):
+    if getattr(function, "__code__", None) is None or not isinstance(module_globals, dict):
         return found
-    codes, seen_codes, names = [code], {code}, {}
-    while codes:  # the names each code object uses; its nested code objects; the same file's functions it names
+    file_name = module_globals.get("__name__")
+    codes: list[Any] = []
+    seen: set[Any] = set()
+    names: dict[str, Any] = {}
+
+    def follow(value: Any) -> None:
+        """Queue the code a value runs, where it is the same file's: a function's, a class's methods'."""
+        value = _unwrapped(value.__func__ if isinstance(value, (staticmethod, classmethod)) else value)
+        if isinstance(value, type):
+            if getattr(value, "__module__", None) == file_name and value not in seen:
+                seen.add(value)
+                for member in list(vars(value).values()):
+                    follow(member)
+            return
+        code = getattr(value, "__code__", None)
+        if code is None or code in seen or getattr(value, "__globals__", None) is not module_globals:
+            return
+        seen.add(code)
+        codes.append(code)
+        for name, content in _closure(value):
+            if name not in names:
+                names[name] = content
+            follow(content)
+
+    follow(function)
+    while codes:  # the names each code object loads; its nested code objects
         current = codes.pop()
         for const in current.co_consts:
-            if isinstance(const, types.CodeType) and const not in seen_codes:
-                seen_codes.add(const)
+            if isinstance(const, types.CodeType) and const not in seen:
+                seen.add(const)
                 codes.append(const)
         for name in _global_names(current):
-            if name in names or name not in module_globals:
-                continue
-            value = names[name] = module_globals[name]
-            inner = getattr(value, "__code__", None)
-            if getattr(value, "__globals__", None) is module_globals and inner is not None and inner not in seen_codes:
-                seen_codes.add(inner)
-                codes.append(inner)
+            if name not in names and name in module_globals:
+                names[name] = module_globals[name]
+                follow(names[name])
     taken = {name for name, _ in found}
     return found + [(name, value) for name, value in names.items() if name not in taken]
+
+
+def _closure(function: Any) -> list[tuple[str, Any]]:
+    """A function's closure cells, by the name of the variable each holds (empty ones left out)."""
+    code = getattr(function, "__code__", None)
+    cells = []
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(function, "__closure__", None) or ()):
+        try:
+            cells.append((name, cell.cell_contents))
+        except ValueError:  # an empty cell
+            pass
+    return cells
+
+
+def _unwrapped(function: Any) -> Any:
+    """The function a decorator wrapped (``functools.wraps`` sets ``__wrapped__``), or the function itself."""
+    import inspect
+
+    try:
+        return inspect.unwrap(function) if callable(function) else function
+    except ValueError:  # a cycle of __wrapped__
+        return function
 
 
 @functools.lru_cache(maxsize=4096)
@@ -237,11 +276,16 @@ def _prepare_inputs(args: tuple, kwargs: dict, input_grad: bool) -> tuple[tuple,
         if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
             return type(value)(prepare(item, f"{name}.{i}") for i, item in enumerate(value))
         if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a batch object (before dict: ModelOutput is both)
-            fields = [field.name for field in dataclasses.fields(value) if field.init]
+            # a shallow copy with the fields set in place: no __init__ or __post_init__ of the user's runs again
+            # (dataclasses.replace would reset init=False fields), and a frozen one takes it too
             try:
-                return dataclasses.replace(value, **{field: prepare(getattr(value, field), f"{name}.{field}") for field in fields})
-            except Exception:  # its __init__ or __post_init__ refuses a copy: passed as it is
+                copied = copy.copy(value)
+            except Exception:  # an object that refuses to be copied: passed as it is
                 return value
+            for field in dataclasses.fields(value):
+                if hasattr(value, field.name):
+                    object.__setattr__(copied, field.name, prepare(getattr(value, field.name), f"{name}.{field.name}"))
+            return copied
         if isinstance(value, dict):
             prepared = {key: prepare(item, f"{name}.{key}") for key, item in value.items()}
             if type(value) is dict:
@@ -664,7 +708,11 @@ def _forward_mode_class() -> type:
             if self.session.forward_stats:
                 self.session.record_forward(output)
                 name = getattr(func, "__name__", "")
-                if args and (name == "__setitem__" or name.endswith("_")) and isinstance(args[0], torch.Tensor):
+                in_place = name == "__setitem__" or (  # add_, x += y; x |= m (__ior__); not __getitem__ or __rsub__
+                    (name.endswith("_") and not name.startswith("__"))
+                    or (name.startswith("__i") and hasattr(torch.Tensor, f"__{name[3:]}"))
+                )
+                if args and in_place and isinstance(args[0], torch.Tensor):
                     # an in-place op (h[0, 3] = x returns None): the tensor it changed, and the tensor a changed
                     # view belongs to, whose node (CopySlices) the ops after it use
                     changed = args[0]
@@ -1355,7 +1403,7 @@ class _TraceSession:
                 note = USER_HOOKS if hooks is not None and len(hooks) > 1 else None
                 return (self.stats.value(torch.stack(diffs).max()), self.stats.value(torch.stack(scales).max()), note)
         except Exception as exc:  # the node refused to run again: that is the finding
-            return (None, None, f"could not run again: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            return (None, None, f"could not run again: {first_line(exc, 200)}")
         finally:
             self._replaying = False
 
@@ -1377,7 +1425,8 @@ class _TraceSession:
         Where nothing can have changed it since, ``.grad`` holds what the parameter's AccumulateGrad
         received (a copy, when that was a transposed view): its statistics are reused rather than
         read again. Something can have changed it when ranks average gradients, when AccumulateGrad
-        ran more than once, or when the parameter has post-accumulate-grad hooks.
+        ran more than once, or when the parameter has post-accumulate-grad hooks (those it had before the
+        trace are held while it runs; one registered in forward is not).
         """
         dist = self._torch.distributed
         averaged = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -1940,8 +1989,10 @@ def trace(
                 saved_grads[id(variable)] = (variable, variable.grad)
         for tensor, _ in saved_grads.values():
             tensor.grad = None
-        for node_id in session.leaf_ids:  # an optimizer step in backward: the trace must not take it
-            hooks = getattr(session.nodes[node_id].variable, "_post_accumulate_grad_hooks", None)
+        # an optimizer step in backward: the trace must not take it (also for the parameters of a reentrant
+        # checkpoint's segment, whose graph is made again during backward)
+        for tensor, _ in saved_grads.values():
+            hooks = getattr(tensor, "_post_accumulate_grad_hooks", None)
             if hooks:
                 held_hooks.append((hooks, dict(hooks)))
                 hooks.clear()

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..records import GradStat, Node, Trace, decode_float
-from .tree import format_norm, short_name
+from .tree import ROOT, format_norm, short_name
 
 _SHOWN = 15
 
@@ -17,7 +17,7 @@ _SHOWN = 15
 def _where(node: Node) -> str:
     if node.param is not None:
         return node.param
-    return "outside any module" if node.module is None else (node.module or "<root>")
+    return "outside any module" if node.module is None else (node.module or ROOT)
 
 
 def _norms(stats: tuple[GradStat | None, ...] | None) -> str:
@@ -43,7 +43,7 @@ def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[st
         node_a = a.nodes[first["id"]] if first["id"] < len(a.nodes) else None
         node_b = b.nodes[first["id"]] if first["id"] < len(b.nodes) else None
         text = Text("first difference: ", style="bold red")
-        where = first["param"] or ("outside any module" if first["module"] is None else first["module"] or "<root>")
+        where = first["param"] or ("outside any module" if first["module"] is None else first["module"] or ROOT)
         text.append(f"{first['kind']} at #{first['id']} {short_name(first['name'])} ({where})", style="bold red")
         parts.append(text)
         if node_a is not None and node_b is not None:

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from ..records import Node, Trace
-from .tree import format_norm, short_name
+from .tree import ROOT, format_norm, short_name
 
 SVG_ID = "gradtrace"
 
@@ -52,7 +52,7 @@ def _label(node: Node) -> str:
     if node.param is not None:
         lines.append(node.param)
     elif node.module is not None:
-        lines.append(node.module or "<root>")
+        lines.append(node.module or ROOT)
     norm = node.grad_norm
     if node.order is None:
         lines.append("did not run")

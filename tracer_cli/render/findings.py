@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..checks import ALL_PARAMETERS, Finding, TargetReport
-from .tree import format_norm, short_name
+from .tree import ROOT, format_norm, short_name
 
 _FAIL = "bold red"
 _WARN = "yellow"
@@ -119,7 +119,7 @@ def _module(finding: Finding) -> str:
         return "–"
     if finding.module is None:
         return "(outside)" if finding.node is not None else "–"
-    return finding.module or "<root>"
+    return finding.module or ROOT
 
 
 def _what(finding: Finding) -> Text:

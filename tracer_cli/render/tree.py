@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -593,7 +594,7 @@ def render_trace(trace: Trace, options: TreeOptions | None = None) -> Renderable
     tree, hidden = render_tree(trace, options)
     parts: list[RenderableType] = [header, tree]
     if options.pattern is not None and not any(map(_matcher(options.pattern), trace.nodes)):
-        parts.append(Text(f"no node matches --filter {options.pattern!r} (node names, modules, parameters)", style="yellow"))
+        parts.append(Text(f"no node matches --filter {shlex.quote(options.pattern)} (node names, modules, parameters)", style="yellow"))
     if hidden:
         parts.append(
             Text(
