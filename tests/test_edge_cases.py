@@ -958,11 +958,17 @@ def test_a_leaf_made_inside_a_module_belongs_to_the_module_that_used_it():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_loss_rule_reduces_half_precision_outputs_in_float32(dtype):
     """The sum of 20,480 values around 10 is 204,800: past float16's largest value, although the model is fine."""
-    layer = nn.Linear(8, 256).to(dtype)
-    with torch.no_grad():
-        layer.weight.zero_()
-        layer.bias.fill_(10.0)
-    result = trace(layer, torch.randn(80, 8, dtype=dtype))
+
+    class Affine(nn.Module):  # nn.Linear's elementwise form: older torch has no float16 matmul on the CPU
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(256, 8, dtype=dtype))
+            self.bias = nn.Parameter(torch.full((256,), 10.0, dtype=dtype))
+
+        def forward(self, x):
+            return (x.unsqueeze(1) * self.weight).sum(-1) + self.bias
+
+    result = trace(Affine(), torch.randn(80, 8, dtype=dtype))
     assert result.meta.loss == pytest.approx(204800.0, rel=1e-2)
     assert "float32" in result.meta.loss_rule and not result.nonfinite_nodes()
     assert result.leaf("bias").grad_norm == pytest.approx(80.0 * 16.0, rel=1e-2)  # 80 ones in each of 256 places
