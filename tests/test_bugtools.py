@@ -402,6 +402,19 @@ def test_diff_of_incompatible_files_exits_2(tmp_path, two_runs):
     assert invoke("diff", str(before), str(not_json)).exit_code == 2
     assert invoke("diff", str(before), str(tmp_path / "missing.json")).exit_code == 2
     assert invoke("diff", f"{before}#1", str(before)).exit_code == 2  # not a merged file
+    # a hand-edited file whose graph links point nowhere, or are gone: no comparison of a graph that is not one
+    document = json.loads(before.read_text())
+    for damage in ("dangling", "missing"):
+        broken = json.loads(json.dumps(document))
+        node = next(n for n in broken["nodes"] if n["next"])
+        if damage == "dangling":
+            node["next"][0] = len(broken["nodes"]) + 5
+        else:
+            del node["next"]
+        edited = tmp_path / f"{damage}.json"
+        edited.write_text(json.dumps(broken))
+        result = invoke("diff", str(before), str(edited))
+        assert result.exit_code == 2 and "not a complete gradtrace trace" in result.stderr, (damage, result.stderr)
 
 
 def test_diff_reads_one_rank_of_a_merged_file(tmp_path, two_runs):

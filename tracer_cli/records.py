@@ -328,7 +328,7 @@ class Node(NamedTuple):
             module=data.get("module"),
             param=data.get("param"),
             order=data.get("order"),
-            next=tuple(data.get("next", ())),
+            next=tuple(data["next"]),
             grad_inputs=_stats_from_list(data.get("grad_inputs")),
             grad_outputs=_stats_from_list(data.get("grad_outputs")),
             created=data.get("created"),
@@ -641,14 +641,19 @@ class Trace:
         """Read a document written by :meth:`to_dict`.
 
         Raises:
-            ValueError: the document is not a ``gradtrace/1`` trace.
+            ValueError: the document is not a ``gradtrace/1`` trace, or its nodes are not one graph (an id
+                that is not the node's position, a ``next`` naming no node).
         """
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             found = data.get("schema") if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a {SCHEMA} trace (schema: {found!r})")
+        nodes = tuple(Node.from_dict(n) for n in data["nodes"])
+        for position, node in enumerate(nodes):  # the graph's links: each id its position, each edge to a node
+            if node.id != position or not all(child is None or child in range(len(nodes)) for child in node.next):
+                raise ValueError(f"node {position} has id {node.id!r} and next {list(node.next)}: not a graph of {len(nodes)} nodes")
         return cls(
             meta=Meta.from_dict(data["meta"]),
-            nodes=tuple(Node.from_dict(n) for n in data["nodes"]),
+            nodes=nodes,
             params_without_grad=tuple(data.get("summary", {}).get("params_without_grad", ())),
             param_grads=tuple(
                 sorted(
