@@ -86,6 +86,35 @@ def test_no_tensor_or_graph_is_retained():
             stack.extend(value)
 
 
+def test_a_trace_leaves_no_reference_cycles_for_the_garbage_collector():
+    """What a trace made is freed when it drops it (by reference counts), not by a later collection that walks
+    every object made since: the creation-site recorder and its table, and the helpers that recurse."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+
+    layer = nn.Linear(4, 4)
+
+    def model(batch):  # a plain function (its modules found through its code), an input to walk
+        h = batch.x
+        for _ in range(3):
+            h = torch.tanh(layer(h))
+        return h.sum()
+
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector would free lands in gc.garbage
+    try:
+        result = trace(model, Batch(torch.randn(2, 4)))
+        gc.collect()
+        left = [o for o in gc.garbage if "tracer_cli" in f"{getattr(o, '__module__', '')} {type(o).__module__}"]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert len(result.nodes) > 10 and not left, left
+
+
 def test_gc_state_is_restored():
     model = nn.Linear(2, 2)
     gc.disable()

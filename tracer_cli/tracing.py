@@ -120,6 +120,7 @@ def _reachable(model: Any) -> list[tuple[str, Any]]:
             if name not in names and name in module_globals:
                 names[name] = module_globals[name]
                 follow(names[name])
+    follow = None  # type: ignore[assignment]  # it refers to itself: no cycle left for the garbage collector
     taken = {name for name, _ in found}
     return found + [(name, value) for name, value in names.items() if name not in taken]
 
@@ -297,6 +298,7 @@ def _prepare_inputs(args: tuple, kwargs: dict, input_grad: bool) -> tuple[tuple,
 
     new_args = tuple(prepare(value, f"input:{i}") for i, value in enumerate(args))
     new_kwargs = {key: prepare(value, f"input:{key}") for key, value in kwargs.items()}
+    prepare = None  # type: ignore[assignment]  # it refers to itself: no cycle left for the garbage collector
     return new_args, new_kwargs, names, infos
 
 
@@ -653,6 +655,9 @@ class _SiteRecorder:
         finally:
             sys.settrace(None)
             entered.clear()  # frames still running now (the caller's): each would hold `local`, and it them
+            # `local` returns itself, and holds this recorder (mark): with the cycle broken, the recorder and its
+            # table are freed as soon as the trace drops them, not by a collection walking every object since
+            local = on_call = None  # type: ignore[assignment]
 
     def table(self) -> tuple[list[int], list[Any]]:
         """The interval starts, sorted, and the site of each (a Function applied inside an op is recorded
@@ -832,7 +837,8 @@ class _Stats:
         if norm.dim() == 0:
             value = norm.item()
             return value < limit or value == math.inf
-        return bool(((norm < limit) | norm.isinf()).any())
+        values = norm.tolist()  # read in Python: a few tensor ops cost more, after backward's ops left the caches
+        return any(map(limit.__gt__, values)) or math.inf in values
 
     def _readable_now(self, tensor: Any, norm: Any) -> bool:
         """Plain tensors (a tensor subclass's read may be a collective) on a device read at once."""
