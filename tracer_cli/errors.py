@@ -123,7 +123,10 @@ def printable(text: str) -> str:
 def first_line(exc: BaseException, limit: int) -> str:
     """``Type: the message's first line``, cut at ``limit`` characters and printable: a note that quotes an
     error of the user's code in one line (a message may be empty, or hold escape codes)."""
-    lines = str(exc).strip().splitlines()
+    try:
+        lines = str(exc).strip().splitlines()
+    except Exception:  # an exception whose __str__ raises
+        lines = []
     return printable(f"{type(exc).__name__}: {lines[0][:limit]}" if lines else type(exc).__name__)
 
 

@@ -649,7 +649,9 @@ class Trace:
             raise ValueError(f"not a {SCHEMA} trace (schema: {found!r})")
         nodes = tuple(Node.from_dict(n) for n in data["nodes"])
         for position, node in enumerate(nodes):  # the graph's links: each id its position, each edge to a node
-            if node.id != position or not all(child is None or child in range(len(nodes)) for child in node.next):
+            if node.id != position or type(node.id) is not int or not all(
+                child is None or (type(child) is int and 0 <= child < len(nodes)) for child in node.next
+            ):
                 raise ValueError(f"node {position} has id {node.id!r} and next {list(node.next)}: not a graph of {len(nodes)} nodes")
         return cls(
             meta=Meta.from_dict(data["meta"]),
