@@ -197,6 +197,27 @@ def test_reentrant_checkpoint_inner_nodes_are_created_in_backward():
                    for n in result.nodes if n.created_in is None)
 
 
+def test_nodes_a_reentrant_checkpoint_makes_in_backward_get_the_line_of_the_op_they_repeat():
+    """The recompute runs the checkpointed code again: each node it makes gets that code's line, the line
+    the same op gets where the graph is made in forward (non-reentrant checkpointing)."""
+    reentrant = traced("checkpointed").result
+    in_forward = traced("checkpointed", (("use_reentrant", False),)).result
+    code = (SAMPLES_DIR / "checkpointed.py").read_text().splitlines()
+    checkpointed_lines = {  # Block.forward's and _last_block's lines: the code the checkpoints run
+        f"sample_models/checkpointed.py:{number}"
+        for number, line in enumerate(code, 1)
+        if "return x + self.fc2(" in line or "return self.shared(self.blocks[1](h))" in line
+    }
+    assert len(checkpointed_lines) == 2
+
+    def ops(result, keep):
+        return collections.Counter((n.name, n.module, n.source) for n in result.nodes if not n.is_leaf and keep(n))
+
+    made_in_backward = ops(reentrant, lambda n: n.created_in is not None)
+    assert sum(made_in_backward.values()) >= 10
+    assert made_in_backward == ops(in_forward, lambda n: n.source in checkpointed_lines)
+
+
 def test_nonreentrant_checkpoint_graph_is_complete_before_backward():
     result = traced("checkpointed", (("use_reentrant", False),)).result
     assert all(n.created_in is None for n in result.nodes)

@@ -1115,6 +1115,7 @@ class _TraceSession:
         self._mode_class = _discovery_mode_class()
         self.created_in: dict[int, int | None] = {}  # nodes made during backward -> the node running then
         self.backward_modules: dict[int, str | None] = {}  # and the module active when they were made
+        self.backward_sites: dict[int, Any] = {}  # and the user's line (or stack) that made them
         self.forward_stats = False
         self.forward_slots: dict[int, int] = {}  # node id -> slot of the forward value its op produced
         self.sites: _SiteRecorder | None = None
@@ -1175,9 +1176,13 @@ class _TraceSession:
                 handle = next(handle_iter)
                 self.hook_dicts[node_id] = handle if isinstance(handle, dict) else handle.hooks_dict_ref()
         if in_backward:
+            # the line of the user's code whose op made them: a reentrant checkpoint's recompute runs the
+            # checkpointed function again, so it is the line of the forward op that these nodes repeat
+            site = self.sites.user_site(1) if self.sites is not None else None
             for node_id in range(start, len(nodes)):
                 self.created_in[node_id] = self.running_custom[-1] if self.running_custom else None
                 self.backward_modules[node_id] = self.tracker.current()
+                self.backward_sites[node_id] = site
         if self.forward_stats:
             with self._torch.no_grad():
                 for node_id in range(start, len(nodes)):
@@ -1530,7 +1535,13 @@ class _TraceSession:
             if module is None and creator is not None:
                 # e.g. a checkpointed function's own ops: they belong where the checkpoint was called
                 module = modules[at(creator)]
-            modules[position], sources[position], stacks[position] = module, None, None
+            site = self.backward_sites.get(keep[position])
+            if site and self.sites is not None and self.sites.stacks:  # innermost first, as in forward
+                sources[position] = _format_site(site[0][:2])
+                stacks[position] = tuple(f"{_format_site(frame[:2])} in {frame[2]}" for frame in site)
+            else:
+                sources[position], stacks[position] = _format_site(site) if site else None, None
+            modules[position] = module
         created: list[int | None] = [None] * len(kept)
         made = list(itertools.filterfalse(leaves.__contains__, range(len(kept))))
         creation = sorted(itertools.filterfalse(backward.__contains__, made), key=seqs.__getitem__)
