@@ -1035,7 +1035,7 @@ def _log_console(record: bool = False, silent: bool = False, stderr: bool = Fals
     if terminal:
         return Console(highlight=False, record=record, stderr=stderr, width=_width(terminal=True))
     # a log, also one that keeps colours (FORCE_COLOR): a table pads its cells, but no line of it ends in spaces
-    width = None if "COLUMNS" in os.environ and _width(terminal=False) is None else _LOG_WIDTH
+    width = _width(terminal=False) if "COLUMNS" in os.environ else _LOG_WIDTH
     return Console(highlight=False, record=record, width=width, file=_LineEndsTrimmed(stream))
 
 

@@ -93,7 +93,7 @@ def _structure_origin(traces: Sequence[Trace], labels: list[int]) -> dict[str, A
     sequences = [_creation_sequence(t) for t in traces]
     longest = max(len(s) for s in sequences)
     for position in range(longest):
-        keys = [(s[position].name, s[position].module, s[position].param) if position < len(s) else None for s in sequences]
+        keys = [_key(s, position) for s in sequences]
         if len(set(keys)) == 1:
             continue
         if len(traces) > 2:
@@ -111,19 +111,20 @@ def _structure_origin(traces: Sequence[Trace], labels: list[int]) -> dict[str, A
     return None
 
 
+def _key(sequence: list[Node], index: int) -> tuple | None:
+    """What a node is, structurally: its name, module and parameter (None past the end)."""
+    return (sequence[index].name, sequence[index].module, sequence[index].param) if index < len(sequence) else None
+
+
 def _inserted(first: list[Node], second: list[Node], position: int, reach: int = 16) -> bool:
     """Whether ``first`` has nodes here that ``second`` lacks: ``second``'s node at ``position`` comes later
     in ``first`` (within ``reach`` nodes), and not the other way round."""
-
-    def key(sequence: list[Node], index: int) -> tuple | None:
-        return (sequence[index].name, sequence[index].module, sequence[index].param) if index < len(sequence) else None
-
     if position >= len(second):
         return True
     for offset in range(1, reach + 1):
-        if key(first, position + offset) == key(second, position) and key(first, position + offset) is not None:
+        if _key(first, position + offset) == _key(second, position) and _key(first, position + offset) is not None:
             return True
-        if key(second, position + offset) == key(first, position) and key(second, position + offset) is not None:
+        if _key(second, position + offset) == _key(first, position) and _key(second, position + offset) is not None:
             return False
     return False
 

@@ -1175,7 +1175,7 @@ class _TraceSession:
                     next(handle_iter)  # its pre-hook's
                 handle = next(handle_iter)
                 self.hook_dicts[node_id] = handle if isinstance(handle, dict) else handle.hooks_dict_ref()
-        if in_backward:
+        if in_backward and len(nodes) > start:
             # the line of the user's code whose op made them: a reentrant checkpoint's recompute runs the
             # checkpointed function again, so it is the line of the forward op that these nodes repeat
             site = self.sites.user_site(1) if self.sites is not None else None

@@ -14,10 +14,10 @@ from .tree import ROOT, format_norm, short_name
 _SHOWN = 15
 
 
-def _where(node: Node) -> str:
-    if node.param is not None:
-        return node.param
-    return "outside any module" if node.module is None else (node.module or ROOT)
+def _where(param: str | None, module: str | None) -> str:
+    if param is not None:
+        return param
+    return "outside any module" if module is None else (module or ROOT)
 
 
 def _norms(stats: tuple[GradStat | None, ...] | None) -> str:
@@ -30,7 +30,7 @@ def _values(kind: str, a: Node, b: Node) -> tuple[str, str]:
         return (format_norm(a.forward.norm) if a.forward else "?", format_norm(b.forward.norm) if b.forward else "?")
     if kind == "backward":
         return _norms(a.grad_inputs), _norms(b.grad_inputs)
-    return f"{short_name(a.name)} in {_where(a)}", f"{short_name(b.name)} in {_where(b)}"
+    return f"{short_name(a.name)} in {_where(a.param, a.module)}", f"{short_name(b.name)} in {_where(b.param, b.module)}"
 
 
 def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[str, str]) -> RenderableType:
@@ -43,7 +43,7 @@ def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[st
         node_a = a.nodes[first["id"]] if first["id"] < len(a.nodes) else None
         node_b = b.nodes[first["id"]] if first["id"] < len(b.nodes) else None
         text = Text("first difference: ", style="bold red")
-        where = first["param"] or ("outside any module" if first["module"] is None else first["module"] or ROOT)
+        where = _where(first["param"], first["module"])
         text.append(f"{first['kind']} at #{first['id']} {short_name(first['name'])} ({where})", style="bold red")
         parts.append(text)
         if node_a is not None and node_b is not None:
@@ -68,7 +68,7 @@ def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[st
             node = a.nodes[node_id]
             table.add_row(
                 f"#{node_id} {short_name(node.name)}",
-                _where(node),
+                _where(node.param, node.module),
                 *(format_norm(spreads[key]) if spreads[key] is not None else "–" for key in ("forward", "grad_outputs", "grad_inputs")),
             )
         parts.append(table)
