@@ -654,6 +654,201 @@ def test_gradcheck_quotes_an_error_of_the_function_in_one_printable_line():
     assert check.passed is None and check.error == "TypeError: \\x1b[31mfloat32 only\\x1b[0m"
 
 
+class _ScaleWithMask(torch.autograd.Function):
+    """``(x * k, x > 0)``, the mask marked non-differentiable; the backward is ``wrong`` times too large."""
+
+    @staticmethod
+    def forward(ctx, x, k, wrong):
+        ctx.k, ctx.wrong = k, wrong
+        mask = x > 0
+        ctx.mark_non_differentiable(mask)
+        return x * k, mask
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        return grad * ctx.k * ctx.wrong, None, None
+
+
+class _ComplexScale(torch.autograd.Function):
+    """``z * w`` for complex tensors; ``conj=False`` forgets the conjugates PyTorch's convention needs."""
+
+    @staticmethod
+    def forward(ctx, z, w, conj):
+        ctx.save_for_backward(z, w)
+        ctx.conj = conj
+        return z * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, w = ctx.saved_tensors
+        if ctx.conj:
+            z, w = z.conj(), w.conj()
+        return grad * w, grad * z, None
+
+
+def test_gradcheck_leaves_out_a_bool_output_and_checks_the_rest():
+    """PyTorch's gradcheck fails on the differences of a bool output: it is left out, not a reason to skip."""
+
+    def verdict(wrong: float):
+        def model(x):
+            y, mask = _ScaleWithMask.apply(x, 3.0, wrong)
+            return y * mask
+
+        (node,) = trace(model, torch.randn(4, 5), gradcheck=True).find("_ScaleWithMaskBackward")
+        return node.gradcheck
+
+    assert verdict(1.1).passed is False and verdict(1.1).error is None
+    assert verdict(1.0).passed is True
+
+
+def test_gradcheck_checks_complex_functions():
+    def verdict(conj: bool):
+        w = torch.randn(5, dtype=torch.complex64, requires_grad=True)
+        result = trace(lambda z: torch.view_as_real(_ComplexScale.apply(z, w, conj)).pow(2).sum(),
+                       torch.randn(3, 5, dtype=torch.complex64), gradcheck=True)
+        (node,) = result.find("_ComplexScaleBackward")
+        return node.gradcheck
+
+    wrong, right = verdict(False), verdict(True)
+    assert wrong.passed is False and wrong.error is None and wrong.mismatch > 1e-3
+    assert right.passed is True and right.mismatch < 1e-6
+    # the reference: PyTorch's own gradcheck on the same Function, in complex128
+    z = torch.randn(3, 5, dtype=torch.complex128, requires_grad=True)
+    w = torch.randn(5, dtype=torch.complex128, requires_grad=True)
+    for conj, expected in ((False, False), (True, True)):
+        assert torch.autograd.gradcheck(lambda a, b, c=conj: _ComplexScale.apply(a, b, c), (z, w), raise_exception=False) is expected
+
+
+def test_a_function_that_could_not_be_gradchecked_is_counted_and_fails_nothing(tmp_path):
+    path = tmp_path / "float32_only.py"
+    path.write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+
+        class Float32Only(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                if x.dtype != torch.float32:
+                    raise RuntimeError("no float64 kernel")
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad * 2
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(3, 3)
+
+            def forward(self, x):
+                return Float32Only.apply(self.fc(x))
+
+        def build_model():
+            return Net()
+
+        def example_inputs():
+            return torch.randn(2, 3)
+    '''))
+    ran = invoke("run", str(path), "--gradcheck")
+    assert ran.exit_code == 0
+    assert "gradcheck not run: RuntimeError: no float64 kernel" in ran.stdout
+    assert re.search(r"0 custom Functions checked, 0 failed; 1 not checked \(#\d+ Float32OnlyBackward", ran.stdout)
+    checked = invoke("check", str(path), "--gradcheck")
+    assert checked.exit_code == 0
+    assert "1 custom Function not gradchecked" in checked.stdout
+
+
+class _NanBack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class _Segment(nn.Module):
+    def __init__(self, last):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.last = last
+
+    def forward(self, x):
+        return self.last(torch.tanh(self.fc(x)))
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, last):
+        super().__init__()
+        self.pre, self.segment, self.head = nn.Linear(4, 4), _Segment(last), nn.Linear(4, 1)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.segment, self.pre(x), use_reentrant=True))
+
+
+def test_a_custom_function_made_again_in_a_reentrant_checkpoint_is_traced_and_gradchecked():
+    """The recompute in backward applies the Function again: its node is hooked and its backward checked,
+    also as the segment's last op (whose node the checkpoint's nested backward starts from)."""
+    wrong = _elementwise_function("Doubled", lambda x: 2 * x, lambda x: 3 + 0 * x)
+    torch.manual_seed(0)
+    model = _Checkpointed(lambda x: wrong.apply(x))
+    result = trace(model, torch.randn(2, 4), gradcheck=True)
+    (node,) = result.find("DoubledBackward")
+    assert node.created_in is not None and node.executed and node.module == "segment"
+    assert node.gradcheck.passed is False
+    # what it sent: the independent computation, with a tensor hook on the Function's input
+    seen = []
+
+    def last(x):
+        if x.requires_grad:  # the recompute, not the first forward (under no_grad)
+            x.register_hook(lambda grad: seen.append(grad.norm().item()))
+        return wrong.apply(x)
+
+    model.segment.last = last
+    x = torch.randn(2, 4, requires_grad=True)
+    torch.manual_seed(0)
+    model(x).sum().backward()
+    assert [s.norm for s in node.grad_inputs] == pytest.approx(seen, rel=1e-5)
+
+
+@pytest.mark.parametrize("last", ["function", "sqrt"])
+def test_a_nan_made_inside_a_reentrant_checkpoint_has_one_origin(last):
+    """The checkpoint's node sends on the NaN its nested backward made: the node that made it is the one
+    origin, the checkpoint is not a second (its finding reaches what the checkpoint sends to)."""
+    torch.manual_seed(0)
+    make_nan = (lambda x: _NanBack.apply(x)) if last == "function" else (lambda x: torch.sqrt(x - x))  # sqrt'(0) = inf, times 0
+    result = trace(_Checkpointed(make_nan), torch.randn(2, 4))
+    (origin,) = result.nonfinite_origins()
+    assert origin.name == ("_NanBackBackward" if last == "function" else "SqrtBackward0")
+    assert origin.created_in is not None and result.nonfinite_origin() is origin
+    (finding,) = nonfinite_findings(result)
+    assert finding.node == origin.id and "pre.weight" in finding.detail
+
+
+def test_a_function_applied_through_an_alias_taken_before_the_trace_is_said_not_checked():
+    """``swish = Swish.apply`` at import holds the apply gradtrace cannot see: no silent pass."""
+    doubled = _elementwise_function("Twice", lambda x: 2 * x, lambda x: 2 + 0 * x)
+    alias = doubled.apply
+    (node,) = trace(lambda x: alias(x) * 1.5, torch.randn(3), gradcheck=True).find("TwiceBackward")
+    assert node.gradcheck.passed is None and "alias of .apply" in node.gradcheck.error
+    (node,) = trace(lambda x: doubled.apply(x) * 1.5, torch.randn(3), gradcheck=True).find("TwiceBackward")
+    assert node.gradcheck.passed is True
+
+
+def test_growth_inside_a_reentrant_checkpoint_is_not_pinned_on_the_checkpoint_too():
+    from tracer_cli.checks import Thresholds, norm_findings
+
+    big = _elementwise_function("Times1e4", lambda x: x * 1e4, lambda x: 1e4 + 0 * x)
+    result = trace(_Checkpointed(lambda x: big.apply(x)), torch.randn(2, 4))
+    growth = [f for f in norm_findings(result, Thresholds(max_grad_norm=100.0)) if "grows past" in f.detail]
+    names = [f.name for f in growth]
+    assert "Times1e4Backward" in names and "CheckpointFunctionBackward" not in names
+
+
 def test_check_fails_on_gradcheck_and_passes_correct_functions():
     bad = invoke("check", str(SAMPLES_DIR / "wrong_backward.py"), "--gradcheck")
     assert bad.exit_code == 1

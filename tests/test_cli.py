@@ -985,3 +985,37 @@ def test_a_package_module_run_by_path_gets_its_import_path_as_a_hint(runner, tmp
     result = invoke(runner, "run", "hintpkg/sub/models.py")
     assert result.exit_code == 3 and "gradtrace run hintpkg.sub.models" in result.stderr
     assert invoke(runner, "run", "hintpkg.sub.models").exit_code == 0  # and the hint works
+
+
+def test_an_exception_whose_str_raises_is_the_models_error_not_gradtraces(runner, tmp_path):
+    """Exit 3 with the user's traceback (the message quoted as Python does), never an internal error."""
+    path = write_model(tmp_path, """
+        import torch
+        from torch import nn
+
+        class Unprintable(Exception):
+            def __str__(self):
+                raise RuntimeError("no str")
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x):
+                raise Unprintable()
+
+        model = Net()
+
+        def example_inputs():
+            return torch.randn(2, 4)
+
+        def factory():
+            raise Unprintable()
+    """)
+    for target in (str(path), f"{path}:factory"):
+        result = invoke(runner, "run", target)
+        assert result.exit_code == 3, result.output
+        assert "Unprintable: <exception str() failed>" in result.stderr
+        assert "internal error" not in result.stderr
+

@@ -113,6 +113,7 @@ def test_values_are_converted(project):
         ("input = [1, 2]\n", ["input must be a string or a list of strings"]),
         ("input = ['float32[8,17]x']\n", ["[tool.gradtrace] input: invalid input spec 'float32[8,17]x'"]),
         ("seed = \n", ["not valid TOML"]),
+        ("device = 'tpu'\n", ["[tool.gradtrace] device = 'tpu': not a device"]),
     ],
 )
 def test_bad_config_is_a_usage_error_naming_the_key(runner, project, body, fragments):

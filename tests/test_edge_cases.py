@@ -525,6 +525,27 @@ def test_complex_output_without_loss_fn_says_so():
     assert result.leaf("input:0").grad_norm > 0
 
 
+def test_a_complex_output_beside_a_real_one_is_left_out_and_said_so():
+    from tracer_cli.checks import trace_findings
+
+    weight = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+    result = trace(lambda x: (torch.fft.fft(x) * weight, x * 2), torch.randn(4))
+    assert result.meta.loss_rule.startswith("output[1].sum(); left out: complex output[0]")
+    (nograd,) = [f for f in trace_findings(result) if f.kind == "nograd"]
+    assert "complex output, which the loss leaves out" in nograd.detail
+    result = trace(lambda x: (torch.fft.fft(x).detach(), x * 2), torch.randn(4))  # nothing requires grad there
+    assert result.meta.loss_rule == "output[1].sum()"
+
+
+def test_a_loss_that_is_not_a_single_value_has_a_hint_that_helps():
+    from tracer_cli.errors import ModelError
+
+    with pytest.raises(ModelError) as caught:
+        trace(lambda x: {"loss": x * 2}, torch.randn(3))
+    assert "shape (3,)" in caught.value.message
+    assert "--loss" not in caught.value.hint and "loss_fn" in caught.value.hint
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # nested tensors are a prototype
 def test_an_output_the_rule_cannot_reduce_is_a_model_error_with_a_hint():
     from tracer_cli.errors import ModelError

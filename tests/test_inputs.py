@@ -458,6 +458,8 @@ def test_malicious_pt_never_executes(tmp_path, write):
     assert not marker.exists()
     assert str(path) in caught.value.message
     assert "plain tensors (saved with torch.save of tensors)" in caught.value.message
+    # torch's advice to load it with weights_only=False is not for gradtrace's users (no option does that)
+    assert "weights_only" not in caught.value.message and "not plain tensors: " in caught.value.message
 
 
 @pytest.mark.parametrize("content", [b"", b"not a torch file", b"PK\x03\x04garbage"])

@@ -314,6 +314,18 @@ def test_torch_compile_region_is_one_node_and_stays_whole():
     torch._dynamo.reset()
 
 
+def test_a_compiled_region_is_neither_replayed_nor_gradchecked():
+    """Its backward frees what it saved as it runs: running it again fails, which says nothing of the model."""
+    torch.manual_seed(0)
+    compiled = torch.compile(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)), backend="aot_eager")
+    result = trace(compiled, torch.randn(3, 4), replay=True, gradcheck=True)
+    (region,) = result.find("CompiledFunctionBackward")
+    assert region.replay.reproducible is None and "not replayed" in region.replay.note
+    assert region.gradcheck is None
+    assert all(n.replay.reproducible is not False for n in result.nodes if n.replay is not None)
+    torch._dynamo.reset()
+
+
 def test_with_torch_compile_disabled_a_compiled_modules_ops_belong_to_its_submodules(monkeypatch):
     """TORCH_COMPILE_DISABLE=1 (what the README says to run to see a compiled region's ops): the original
     module runs eagerly, and its ops are attributed to its own submodules, not all to the wrapper."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 from .compare import who_differs
+from .loss import COMPLEX_LEFT_OUT
 from .records import Node, Trace, a_or_an, joint_norm, listed, short_name
 
 CHECKS = ("nonfinite", "nograd", "zero", "norm", "divergence", "gradcheck", "replay")
@@ -153,10 +154,13 @@ def parse_fail_on(text: str | Iterable[str] | None, option: str = "--fail-on") -
 def trace_findings(trace: Trace, thresholds: Thresholds | None = None) -> list[Finding]:
     """Non-finite gradients, parameters without gradient, all-zero parameter gradients, norms beyond thresholds."""
     findings = nonfinite_findings(trace)
+    unused = "not used in forward, or detached"
+    if COMPLEX_LEFT_OUT in (trace.meta.loss_rule or ""):
+        unused += ", or used only for a complex output, which the loss leaves out"
     findings += [
         Finding(
             "nograd",
-            "requires grad but received no gradient (not used in forward, or detached)",
+            f"requires grad but received no gradient ({unused})",
             module=_owner(name, trace.meta.module_types),
             param=name,
         )
@@ -266,6 +270,11 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
         if node.id in covered:
             continue
         reached = _reach(trace, node.id, bad_ids)
+        creator = node.created_in  # a reentrant checkpoint that ran it sends on what it made
+        while creator is not None:
+            if creator in bad_ids:
+                reached |= _reach(trace, creator, bad_ids)
+            creator = trace.nodes[creator].created_in
         covered |= reached
         if made is not None and _uses_nonfinite_forward(trace, node):
             carried += 1
@@ -398,6 +407,8 @@ def _growth_findings(trace: Trace, limit: float) -> list[Finding]:
             found.append((node, why, max(received)))
         elif sent and received and max(sent) > limit and within(received):
             found.append((node, f"it receives ‖{max(received):.3g}‖ and sends on ‖{max(sent):.3g}‖", max(sent)))
+    kept = {node.id for node in trace.outermost_excluded([node for node, _, _ in found])}  # not a checkpoint as well
+    found = [entry for entry in found if entry[0].id in kept]
     findings = [
         Finding(
             "norm",
@@ -539,6 +550,9 @@ def _trace_line(traces: Sequence[Trace]) -> str:
     total = values([None if s["param_grad_norm_total"] is None else f"{float(s['param_grad_norm_total']):.3g}" for s in summaries])
     if total is not None:
         parts.append(f"params ‖grad‖ {total}")
+    unchecked = sum(1 for n in traces[0].nodes if n.gradcheck is not None and n.gradcheck.passed is None)
+    if unchecked:  # not a finding (it fails nothing), but no silent pass either: `run --gradcheck` says why
+        parts.append(f"{unchecked} custom Function{'s' * (unchecked != 1)} not gradchecked")
     return " · ".join(parts)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, List, NoReturn, Optional
 import typer
 
 from . import __version__
-from .errors import ExitCode, GradtraceError
+from .errors import ExitCode, GradtraceError, message_of
 
 app = typer.Typer(
     name="gradtrace",
@@ -1136,8 +1136,10 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
                 hint=_SLOW_RANK_HINT,
             )
         elif echo:  # not this rank's fault: say so, and let the failing rank be seen first
+            # torch's account names the barrier's time limit ("... in 120000 ms") as if it had been waited for
+            said = "" if "monitoredBarrier" in message_of(error) else f": {error}"
             error = ModelError(
-                f"another rank failed or went away while this one waited for it: {error}",
+                f"another rank failed or went away while this one waited for it{said}",
                 hint="the first error above, from another rank, is the cause",
             )
         code = _report(error, options.debug, prefix=info.prefix)

@@ -33,6 +33,17 @@ def _string(key: str, value: Any, base: Path) -> str:
     return value
 
 
+def _device(key: str, value: Any, base: Path) -> str:
+    """A device's name, checked now (whether it is there is checked when it is used)."""
+    import torch
+
+    try:
+        torch.device(_string(key, value, base))
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(f"[{TABLE}] {key} = {value!r}: not a device", hint="e.g. cpu, cuda, cuda:1") from exc
+    return value
+
+
 def _string_list(key: str, value: Any, base: Path) -> list[str]:
     if isinstance(value, str):
         return [value]
@@ -126,7 +137,7 @@ KEYS: dict[str, Callable[[str, Any, Path], Any]] = {
     "input": _input_specs,
     "inputs": _path,
     "seed": _integer,
-    "device": _string,
+    "device": _device,
     "eval": _boolean,
     "no-input-grad": _boolean,
     "loss": _loss,

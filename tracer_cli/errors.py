@@ -86,7 +86,7 @@ class UserCodeError(ModelError):
                 "required one: sys.argv is [path] here): a model file is "
                 'imported, so keep script code under if __name__ == "__main__":'
             )
-        if hint is None and "default process group twice" in str(exc):
+        if hint is None and "default process group twice" in message_of(exc):
             hint = (
                 "under torchrun gradtrace creates the process group before it imports your file: create yours only "
                 "if not torch.distributed.is_initialized()"
@@ -120,13 +120,18 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
+def message_of(exc: BaseException) -> str:
+    """``str(exc)``, or ``""`` for an exception of the user's whose ``__str__`` raises."""
+    try:
+        return str(exc)
+    except Exception:
+        return ""
+
+
 def first_line(exc: BaseException, limit: int) -> str:
     """``Type: the message's first line``, cut at ``limit`` characters and printable: a note that quotes an
     error of the user's code in one line (a message may be empty, or hold escape codes)."""
-    try:
-        lines = str(exc).strip().splitlines()
-    except Exception:  # an exception whose __str__ raises
-        lines = []
+    lines = message_of(exc).strip().splitlines()
     return printable(f"{type(exc).__name__}: {lines[0][:limit]}" if lines else type(exc).__name__)
 
 

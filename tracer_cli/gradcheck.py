@@ -23,8 +23,9 @@ from .errors import first_line
 from .records import Gradcheck
 from .tracing import _tensors_in
 
-# Functions of PyTorch's own machinery: their "backward" is autograd itself, nothing to check.
-SKIPPED = frozenset({"CheckpointFunction"})
+# Functions of PyTorch's own machinery: their "backward" is autograd itself (a checkpoint), or code torch.compile
+# generated from autograd's (a compiled region, whose backward also runs only once): nothing of the user's to check.
+SKIPPED = frozenset({"CheckpointFunction", "CompiledFunction"})
 _STEP = 1e-8  # the central difference's step, times a standard normal direction
 RTOL = 1e-3  # PyTorch gradcheck's own relative tolerance
 _ROUNDING = 10 * 2.0**-52  # float64 rounding of each output value, with a margin
@@ -77,12 +78,13 @@ def recording_calls(
         function.apply = original
 
 
-def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck:
-    """Check one custom Function's backward on float64 copies of the arguments it was called with."""
+def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck | None:
+    """Check one custom Function's backward on float64 copies of the arguments it was called with (None for
+    PyTorch's own Functions, :data:`SKIPPED`)."""
     import torch
 
     if cls.__name__ in SKIPPED:
-        return Gradcheck(None, None, f"{cls.__name__} belongs to PyTorch: not checked")
+        return None
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     if not any(args[i].requires_grad and (args[i].is_floating_point() or args[i].is_complex()) for i in positions):
         return Gradcheck(None, None, "no input requires grad")
@@ -98,10 +100,13 @@ def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck:
     inputs = [widen(args[i]) for i in positions]
 
     def function(*tensors: Any) -> Any:
+        """The Function's floating-point and complex outputs (an integer or bool one, a mask it marks
+        non-differentiable, has no derivative to check: PyTorch's gradcheck fails on its differences)."""
         rebuilt = list(args)
         for position, tensor in zip(positions, tensors):
             rebuilt[position] = tensor.clone()  # a Function that changes its input in place (mark_dirty) may
-        return cls.apply(*rebuilt, **kwargs)  # not change a leaf, nor what the next evaluation starts from
+        output = cls.apply(*rebuilt, **kwargs)  # not change a leaf, nor what the next evaluation starts from
+        return tuple(t for t in _tensors_in(output, torch.Tensor) if t.is_floating_point() or t.is_complex())
 
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
@@ -146,7 +151,9 @@ def _directional_mismatch(function: Any, inputs: list[Any]) -> tuple[float, bool
     direction = [torch.randn_like(x) for x in differentiable]
 
     def dot(pairs: Any) -> float:
-        return sum(float((a * b).sum()) for a, b in pairs if a is not None)
+        """The real inner product: of complex tensors, that of their real and imaginary parts (PyTorch's
+        gradient of a real function of ``z`` is ``dL/dRe z + i dL/dIm z``)."""
+        return sum(float((a.conj() * b).real.sum()) for a, b in pairs if a is not None)
 
     def differences(step: float) -> tuple[float, float, float, float]:
         """``(analytical, numerical, excess, rounding)`` of a central difference at ``step``: the sums of

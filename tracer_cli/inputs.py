@@ -406,5 +406,10 @@ def _load_failure(err: Exception) -> str:
     if marker in text:
         reason = text.split(marker, 1)[1].strip().split("\n\n", 1)[0]
         return "not plain tensors: " + reason.split(". Please use", 1)[0].strip()
+    if text.startswith("Weights only load failed"):  # newer torch: the reason is a paragraph between advice
+        advice = ("Weights only load failed", "Check the documentation")
+        reasons = [part.strip() for part in text.split("\n\n") if part.strip() and not part.strip().startswith(advice)]
+        if reasons:
+            return "not plain tensors: " + reasons[0].splitlines()[0].rstrip(".")
     first_line = text.strip().splitlines()[0] if text.strip() else ""
     return f"{type(err).__name__}: {first_line}" if first_line else type(err).__name__

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Iterator
 
-from .errors import USER_CODE_ERRORS, ModelError, UsageError, UserCodeError
+from .errors import USER_CODE_ERRORS, ModelError, UsageError, UserCodeError, message_of
 from .records import a_or_an
 
 DEFAULT_NAMES = ("model", "build_model")
@@ -128,7 +128,7 @@ def _import_file(path: str) -> ModuleType:
     except USER_CODE_ERRORS as exc:
         sys.modules.pop(module_name, None)
         hint = None
-        if isinstance(exc, ImportError) and "no known parent package" in str(exc):
+        if isinstance(exc, ImportError) and "no known parent package" in message_of(exc):
             dotted, root = _dotted_name(path)
             if "." in dotted:  # a module of a package, imported by path: by its import path, its relative imports work
                 where = "" if os.path.samefile(root, os.getcwd()) else f" from {os.path.relpath(root)}"
@@ -449,7 +449,7 @@ def _no_data_is_a_model_error(what: str) -> Iterator[None]:
     try:
         yield
     except NotImplementedError as exc:
-        if "meta tensor" not in str(exc):
+        if "meta tensor" not in message_of(exc):
             raise
         raise ModelError(
             f"{what} holds tensors on the meta device, which have no data to trace",

@@ -10,6 +10,7 @@ from .errors import USER_CODE_ERRORS, ModelError, UsageError, UserCodeError, fir
 from .records import a_or_an
 
 REDUCTIONS = ("sum", "mean")
+COMPLEX_LEFT_OUT = "left out: complex"  # in the rule, before the complex outputs that the loss leaves out
 
 
 def floating_outputs(output: Any, path: str = "output", complex_: bool = False) -> list[tuple[str, Any]]:
@@ -50,7 +51,7 @@ def _as_scalar(loss: Any, source: str) -> Any:
     if loss.numel() != 1:
         raise ModelError(
             f"{source} has shape {tuple(loss.shape)}; a loss must be a single value",
-            hint="reduce it in loss_fn (e.g. .mean()), or pass --loss sum/mean without a loss_fn",
+            hint="return a single value, or define loss_fn(output) in the model file that reduces it (e.g. with .mean())",
         )
     return loss if loss.dim() == 0 else loss.sum()
 
@@ -125,4 +126,9 @@ def compute_loss(
             hint="define loss_fn(output) in the model file (trace(..., loss_fn=...)) returning a scalar tensor",
         ) from exc
     rule = f"{paths}.{reduction}()" if len(chosen) == 1 else f"sum of .{reduction}() over {paths}"
-    return loss, rule + (" (half precision in float32)" if widened else "")
+    rule += " (half precision in float32)" if widened else ""
+    # a complex output has no real sum to add: said in the rule, or what only it uses looks unused (no gradient)
+    left_out = [path for path, t in floating_outputs(output, complex_=True) if t.requires_grad]
+    if left_out:
+        rule += f"; {COMPLEX_LEFT_OUT} {', '.join(left_out)} (a loss_fn can include {'it' if len(left_out) == 1 else 'them'})"
+    return loss, rule

@@ -519,14 +519,29 @@ class Trace:
 
     def nonfinite_origins(self) -> list[Node]:
         """The nodes that made a NaN or infinity, in execution order: each sent one on although every
-        gradient it received (in any call) was finite. Found even when a later node masks it again."""
-        return list(filter(_made_nonfinite, self.nonfinite_nodes()))
+        gradient it received (in any call) was finite. Found even when a later node masks it again.
+
+        A node whose backward ran nodes of its own (a reentrant checkpoint) sends on what they made: where
+        one of them is an origin, the node is not one too."""
+        return self.outermost_excluded(list(filter(_made_nonfinite, self.nonfinite_nodes())))
 
     def nonfinite_origin(self) -> Node | None:
         """Where the first non-finite gradient came from: the first of :meth:`nonfinite_origins`. Failing
         that (the loss itself was not finite), the first node with a non-finite gradient."""
         nonfinite = self.nonfinite_nodes()
-        return next(filter(_made_nonfinite, nonfinite), nonfinite[0] if nonfinite else None)
+        origins = self.nonfinite_origins()
+        return origins[0] if origins else (nonfinite[0] if nonfinite else None)
+
+    def outermost_excluded(self, nodes: list[Node]) -> list[Node]:
+        """``nodes`` without those whose backward created (directly, or through nodes it created) one of
+        ``nodes``: what such a node sends on, the nodes it ran made."""
+        creators: set[int] = set()
+        for node in nodes:
+            creator = node.created_in
+            while creator is not None and creator not in creators:
+                creators.add(creator)
+                creator = self.nodes[creator].created_in
+        return [node for node in nodes if node.id not in creators]
 
     def computed_stats(self) -> Iterator[tuple[Node, GradStat]]:
         """Every known gradient statistic of the nodes that ran, with its node, but the seed that backward

@@ -37,8 +37,8 @@ import dataclasses
 import functools
 import gc
 import itertools
-import operator
 import math
+import operator
 import sys
 import threading
 import time
@@ -48,7 +48,14 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
-from .errors import USER_CODE_ERRORS, InternalError, ModelError, UserCodeError, first_line
+from .errors import (
+    USER_CODE_ERRORS,
+    InternalError,
+    ModelError,
+    UserCodeError,
+    first_line,
+    message_of,
+)
 from .loss import compute_loss
 from .records import Gradcheck, GradStat, InputInfo, Meta, Node, NodeCall, Replay, Trace
 
@@ -380,7 +387,10 @@ class _ModuleTracker:
             return
         # Otherwise two global hooks that look each module up: two registrations instead of two per module
         # (measured on a ResNet-style CNN: 2 to 3 ms less per traced step, of 60 to 75)
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
 
         names = {id(module): name for name, module in hooked}
         enter, exit_, find = self._enter, self._exit, names.get
@@ -1371,8 +1381,11 @@ class _TraceSession:
         node = self.nodes[node_id]
         if type(node) is self._leaf_type:
             return (None, None, "AccumulateGrad writes .grad: not replayed")
-        if node.name() == "CheckpointFunctionBackward":
+        name = node.name()
+        if name == "CheckpointFunctionBackward":
             return (None, None, "recomputes its forward and runs a backward of its own: not replayed")
+        if name == "CompiledFunctionBackward":
+            return (None, None, "a torch.compile region's backward, which frees what it saved as it runs: not replayed")
         self._replaying = True
         try:
             with torch.no_grad():
@@ -1414,20 +1427,31 @@ class _TraceSession:
                 note = USER_HOOKS if hooks is not None and len(hooks) > 1 else None
                 return (self.stats.value(torch.stack(diffs).max()), self.stats.value(torch.stack(scales).max()), note)
         except Exception as exc:  # the node refused to run again: that is the finding
+            if "backward through the graph a second time" in str(exc):  # it frees what it saved: no verdict
+                return (None, None, f"could not run again, its saved tensors were freed as it ran: not replayed ({first_line(exc, 120)})")
             return (None, None, f"could not run again: {first_line(exc, 200)}")
         finally:
             self._replaying = False
 
     # --- result ------------------------------------------------------------------
     def run_gradchecks(self) -> None:
-        """Check each custom Function node recorded in forward (after backward: no hook is left)."""
-        from .gradcheck import check
+        """Check each custom Function node recorded in forward, and each one made in backward that ran (after
+        backward: no hook is left)."""
+        from .gradcheck import SKIPPED, check
 
+        self.flush()
+        ran = set(self.log)  # node ids, once flushed
         for node_id, node in enumerate(self.nodes):
             call = self.custom_calls.get(id(node))
-            if call is not None and call[0] is node:
+            if call is not None and call[0] is node and (node_id not in self.created_in or node_id in ran):
                 _, function_class, args, kwargs, _, _ = call
-                self.gradchecks[node_id] = check(function_class, args, kwargs)
+                result = check(function_class, args, kwargs)
+                if result is not None:
+                    self.gradchecks[node_id] = result
+            elif isinstance(node, self._custom_type) and node_id not in self.created_in:
+                function_class = getattr(node, "_forward_cls", None)
+                if function_class is not None and function_class.__name__ not in SKIPPED:  # not applied through
+                    self.gradchecks[node_id] = Gradcheck(None, None, UNRECORDED_CALL)  # Function.apply: unseen
         self.custom_calls.clear()
 
     def record_param_grads(self) -> None:
@@ -1812,6 +1836,11 @@ def _replay_record(pending: tuple | None, norms: list[float | None]) -> Replay |
     return Replay(diff, relative, reproducible, None)
 
 
+UNRECORDED_CALL = (
+    "its call was not seen (an alias of .apply taken before the trace, as `f = MyFunction.apply` at import): "
+    "call MyFunction.apply(...) in forward to check it"
+)
+
 # A replay runs the node alone; what the engine sent on went through the node's post hooks too.
 USER_HOOKS = "hooks of your own on this node (register_hook, a module's backward hook) may change what it sends: not judged"
 
@@ -2015,7 +2044,13 @@ def trace(
                 hooks.clear()
         backward_start = time.perf_counter()
         try:
-            loss.backward()
+            # a custom Function applied during backward (in a reentrant checkpoint's recompute) makes a node no
+            # op mode sees: it is hooked (and, for --gradcheck and --replay, recorded) as it is made
+            from .gradcheck import recording_calls
+
+            calls = session.custom_calls if gradcheck or replay else None
+            with recording_calls(calls, keep_args=gradcheck, on_output=session.discover_in_backward):
+                loss.backward()
         except USER_CODE_ERRORS as exc:
             if session.errors:
                 raise InternalError("a gradtrace hook failed during backward:\n" + session.errors[0]) from exc
@@ -2102,7 +2137,7 @@ _INPUT_GRAD_ERRORS = (
 
 
 def _input_hint(infos: list[InputInfo], exc: BaseException, input_grad: bool) -> str | None:
-    if input_grad and infos and any(message in str(exc) for message in _INPUT_GRAD_ERRORS):
+    if input_grad and infos and any(message in message_of(exc) for message in _INPUT_GRAD_ERRORS):
         return (
             "gradtrace makes floating-point inputs require grad to show their gradients, and the model "
             "changes an input in place, or sets requires_grad on a tensor made from one: run with "

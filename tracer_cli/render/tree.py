@@ -10,7 +10,7 @@ import re
 import shlex
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -540,6 +540,7 @@ def render_summary(trace: Trace) -> Table:
     _add_check_row(
         table, "gradcheck", checked, [n for n in checked if not n.gradcheck.passed],
         "custom Functions checked", "failed", lambda n: f"(mismatch {format_norm(n.gradcheck.mismatch)})",
+        unchecked=[n for n in trace.nodes if n.gradcheck is not None and n.gradcheck.passed is None],
     )
     replayed = [n for n in trace.nodes if n.replay is not None and n.replay.reproducible is not None]
     _add_check_row(
@@ -560,14 +561,25 @@ def render_summary(trace: Trace) -> Table:
 
 
 def _add_check_row(
-    table: Table, title: str, ran: list[Node], failed: list[Node], ran_text: str, failed_text: str, detail: Any
+    table: Table,
+    title: str,
+    ran: list[Node],
+    failed: list[Node],
+    ran_text: str,
+    failed_text: str,
+    detail: Any,
+    unchecked: Sequence[Node] = (),
 ) -> None:
-    """A summary row for --gradcheck or --replay: how many ran, how many failed, the first failures."""
-    if not ran:
+    """A summary row for --gradcheck or --replay: how many ran, how many failed, the first failures; and
+    how many could not be checked (their nodes say why)."""
+    if not ran and not unchecked:
         return
     text = Text(f"{len(ran)} {ran_text}, {len(failed)} {failed_text}", style=_NONFINITE if failed else "green")
     for node in failed[:5]:
         text.append(f"; #{node.id} {short_name(node.name)} {detail(node)}", style=_NONFINITE)
+    if unchecked:
+        names = listed([f"#{n.id} {short_name(n.name)}" for n in unchecked], 5)
+        text.append(f"; {len(unchecked)} not checked ({names}; the tree says why)", style="yellow")
     table.add_row(title, text)
 
 
