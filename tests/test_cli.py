@@ -663,6 +663,25 @@ def test_torchs_numpy_warning_does_not_open_the_output():
     assert "NumPy" not in result.stderr and "AddmmBackward0" in result.stdout
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--bogus", "x"], "No such option: --bogus"),
+        (["run", str(SAMPLES / "mlp.py"), "--seed", "abc"], "Invalid value for '--seed'"),
+        (["bogus"], "No such command 'bogus'."),
+    ],
+)
+def test_an_option_that_does_not_parse_is_one_error_line_and_a_hint(args, message):
+    """Typer's own parse errors are written as gradtrace's other usage errors (no box): exit 2."""
+    code = f"import sys\nsys.argv = ['gradtrace', *{args!r}]\nfrom tracer_cli.cli import main\nmain()\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("gradtrace: error: ") and message in lines[0]
+    assert len(lines) == 2 and lines[1].startswith("hint: see gradtrace") and lines[1].endswith(" -h")
+    assert result.stdout == ""
+
+
 def test_a_bad_input_spec_is_reported_before_the_model_file_runs(runner, tmp_path):
     marker = tmp_path / "imported"
     model = write_model(

@@ -232,6 +232,16 @@ def test_command_line_overrides_reach_the_launched_ranks(runner, project, monkey
     assert launched[1] == ["run", sample("mlp")]
 
 
+def test_a_missing_model_file_is_said_once_before_any_rank_starts(runner, project, monkeypatch):
+    import tracer_cli.distributed as distributed
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(distributed, "launch", lambda n, argv: launched.append(list(argv)) or 0)
+    result = invoke(runner, "run", "--nproc-per-node", "2", str(project / "missing.py"))
+    assert result.exit_code == 2 and "model file not found" in result.stderr
+    assert not launched
+
+
 def test_inputs_on_the_command_line_replace_config_specs(runner, project):
     write_config(project, 'input = ["float32[5,16]"]\n')
     saved = project / "inputs.pt"

@@ -1004,3 +1004,20 @@ def test_example_inputs_may_be_any_mapping_of_keyword_arguments():
     ids = torch.tensor([[1, 2, 3]])
     args, kwargs = split_inputs(UserDict(input_ids=ids, attention_mask=torch.ones(1, 3)), "example_inputs()")
     assert args == () and set(kwargs) == {"input_ids", "attention_mask"} and kwargs["input_ids"] is ids
+
+
+def test_functional_call_with_tensors_of_ones_own_reports_their_gradients():
+    """``torch.func.functional_call(base, params, x)``: the tensors in ``params`` fill the module's slots while
+    it runs; their gradients are the parameters' gradients under those slots' names."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in base.named_parameters()}
+    x = torch.randn(3, 4)
+    result = trace(lambda x: functional_call(base, params, (x,)), x)
+    functional_call(base, params, (x.clone().requires_grad_(),)).sum().backward()
+    norms = dict(result.param_grads)
+    assert set(norms) == {f"base.{name}" for name in params}
+    for name, tensor in params.items():
+        assert norms[f"base.{name}"].norm == pytest.approx(float(tensor.grad.norm()), rel=1e-5)

@@ -443,6 +443,12 @@ def _execute(ctx: typer.Context) -> int:
     if nproc_per_node is not None:
         if info is not None:
             raise UsageError("--nproc-per-node launches ranks itself: do not combine it with torchrun")
+        if options.command == "run":  # a model file that is not there: said once, before any rank starts
+            from .loading import check_file, split_target
+
+            kind, location, _ = split_target(options.targets[0])
+            if kind == "file":
+                check_file(location)
         return launch(nproc_per_node, _forwarded_args(ctx, drop={"nproc_per_node"}))
     if info is not None:
         return _run_ranks(options, info)
@@ -1356,7 +1362,22 @@ def main() -> None:
     # Where NumPy is not installed, importing torch warns that it could not load it. gradtrace does not use
     # NumPy (a model that does fails where it does), and the warning would open the output of every run.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    from typer import rich_utils
+
+    if hasattr(rich_utils, "rich_format_error"):  # where typer boxes a parse error: gradtrace's usual lines
+        rich_utils.rich_format_error = _report_parse_error
     app(prog_name="gradtrace")
+
+
+def _report_parse_error(error: Any) -> None:
+    """An option or argument Typer could not parse (a ``click.ClickException``), written as gradtrace's other
+    usage errors are: ``gradtrace: error: ...`` on one line and a hint (Typer then exits with its code, 2)."""
+    from .errors import UsageError
+
+    context = getattr(error, "ctx", None)
+    command = context.command_path if context is not None else "gradtrace"
+    message = " ".join(error.format_message().split())
+    _report(UsageError(message, hint=f"see {command} -h"), debug=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

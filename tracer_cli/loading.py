@@ -100,12 +100,17 @@ def split_target(target: str) -> tuple[str, str, str | None]:
     )
 
 
-def _import_file(path: str) -> ModuleType:
+def check_file(path: str) -> None:
+    """Raise the UsageError for a model file that is not there, or is a folder."""
     if not os.path.exists(path):
         hint = "check the path (relative to the current folder; targets in [tool.gradtrace] are relative to its pyproject.toml)"
         raise UsageError(f"model file not found: {path}", hint=hint)
     if os.path.isdir(path):
         raise UsageError(f"{path} is a folder, not a Python file", hint="name the model file, e.g. model.py")
+
+
+def _import_file(path: str) -> ModuleType:
+    check_file(path)
     path = os.path.abspath(path)
     folder = os.path.dirname(path)
     _forget_neighbours_of_other_targets(folder)

@@ -1484,6 +1484,13 @@ class _TraceSession:
                     self.param_grads.append((leaf.name, self.stats.alias(grad, slot)))
                 else:  # often the very tensor AccumulateGrad received
                     self.param_grads.append((leaf.name, self._slot_now(grad)))
+            # tensors a module held in forward in place of its own parameters (torch.func.functional_call's),
+            # named after those: theirs is the gradient the name got, where the module's own got none
+            named = {name for name, _ in self.param_grads}
+            for leaf in self.tracker.held.values():
+                grad = leaf.tensor.grad
+                if grad is not None and leaf.name not in named:
+                    self.param_grads.append((leaf.name, self._slot_now(grad)))
 
     def finish(self, meta: Meta, loss: Any) -> Trace:
         """Read the statistics (and the loss value) back in one transfer and build the frozen Trace.
