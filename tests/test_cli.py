@@ -674,7 +674,8 @@ def test_torchs_numpy_warning_does_not_open_the_output():
 def test_an_option_that_does_not_parse_is_one_error_line_and_a_hint(args, message):
     """Typer's own parse errors are written as gradtrace's other usage errors (no box): exit 2."""
     code = f"import sys\nsys.argv = ['gradtrace', *{args!r}]\nfrom tracer_cli.cli import main\nmain()\n"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    environment = {**os.environ, "COLUMNS": "200"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, check=False)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert lines[0].startswith("gradtrace: error: ") and message in lines[0]
