@@ -941,3 +941,103 @@ def test_gradcheck_checks_a_function_that_changes_its_input_in_place():
         result = trace(lambda x, function=function: function.apply(x * 1.0).sum(), (torch.randn(4),), gradcheck=True)
         (node,) = [n for n in result.nodes if n.gradcheck is not None]
         assert node.gradcheck.error is None and node.gradcheck.passed is passed
+
+
+class _InfToParameter(torch.autograd.Function):
+    """``x * w``; the backward sends ``x`` its correct gradient and ``w`` an infinite one."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(0) * float("inf")
+
+
+class _InfToInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+def test_an_origin_that_sends_a_finite_gradient_to_another_origin_does_not_hide_it():
+    """Two independent origins, the first sending a finite gradient straight into the second: each is found,
+    and each reaches only what its own non-finite gradient reached."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(3, 3)
+            self.scale = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return _InfToParameter.apply(_InfToInput.apply(self.enc(x)), self.scale)
+
+    result = trace(Net(), torch.randn(2, 3))
+    findings = {f.name: f for f in nonfinite_findings(result)}
+    assert set(findings) == {"_InfToParameterBackward", "_InfToInputBackward"}
+    assert "scale" in findings["_InfToParameterBackward"].detail and "enc" not in findings["_InfToParameterBackward"].detail
+    assert "enc.weight" in findings["_InfToInputBackward"].detail
+
+
+def test_a_nan_through_several_reentrant_checkpoints_has_one_origin():
+    """The NaN a later checkpointed block makes reaches an earlier block's recomputed graph through that
+    block's checkpoint node (its nested backward): not a second place where a NaN 'arrives'."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(_Segment(lambda x: x) for _ in range(2))
+            self.blocks[1].last = lambda x: torch.sqrt(x - x)  # sqrt'(0) = inf, times the 0 of x - x: nan
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=True)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    result = trace(Net(), torch.randn(2, 4))
+    (finding,) = nonfinite_findings(result)
+    assert finding.name == "SqrtBackward0" and finding.module == "blocks.1"
+    assert "blocks.0.fc.weight" in finding.detail
+
+
+def test_a_nan_loss_made_from_an_infinity_names_both_where_the_infinity_and_the_nan_were_made():
+    """An attention row masked entirely with -inf: the -inf may be meant; the softmax over it makes the NaN."""
+
+    def attention(x):
+        scores = x @ x.transpose(-1, -2)
+        keep = torch.tensor([True, True, False])
+        masked = scores.masked_fill(~(keep[:, None] & keep[None, :]), float("-inf"))
+        return torch.softmax(masked, dim=-1).sum()
+
+    result = trace(attention, torch.randn(3, 4), forward_stats=True)
+    made = result.forward_nonfinite_origin()
+    assert made.name == "MaskedFillBackward0" and made.forward.nonfinite_kind == "inf"
+    nan = result.forward_nan_after(made)
+    assert nan.name == "SoftmaxBackward0" and nan.forward.nonfinite_kind == "nan"
+    (finding,) = nonfinite_findings(result)
+    assert f"an inf first at #{made.id} MaskedFillBackward0" in finding.detail
+    assert f"a nan first at #{nan.id} SoftmaxBackward0" in finding.detail
+    # where forward made a NaN itself, nothing more is said
+    log = trace(lambda x: torch.log(x - 2).sum(), torch.rand(3), forward_stats=True)
+    assert log.forward_nan_after(log.forward_nonfinite_origin()) is None
+
+
+def test_a_forward_nan_inside_a_reentrant_checkpoint_says_its_ops_are_not_recorded():
+    torch.manual_seed(0)
+    result = trace(_Checkpointed(lambda x: torch.log(x - x - 1)), torch.randn(2, 4), forward_stats=True)
+    made = result.forward_nonfinite_origin()
+    assert made.name == "CheckpointFunctionBackward"
+    assert "reentrant checkpoint" in result.unrecorded_note(made) and "use_reentrant=False" in result.unrecorded_note(made)
+    (finding,) = nonfinite_findings(result)
+    assert finding.node == made.id

@@ -233,13 +233,30 @@ def test_command_line_overrides_reach_the_launched_ranks(runner, project, monkey
 
 
 def test_a_missing_model_file_is_said_once_before_any_rank_starts(runner, project, monkeypatch):
-    import tracer_cli.distributed as distributed
+    from tracer_cli import distributed
 
     launched: list[list[str]] = []
     monkeypatch.setattr(distributed, "launch", lambda n, argv: launched.append(list(argv)) or 0)
     result = invoke(runner, "run", "--nproc-per-node", "2", str(project / "missing.py"))
     assert result.exit_code == 2 and "model file not found" in result.stderr
     assert not launched
+
+
+def test_a_usage_error_on_a_rank_other_than_0_is_said_by_it_after_a_pause(runner, project, monkeypatch):
+    """Rank 0 says what is wrong when every rank has it (torchrun then stops the others); where a rank
+    alone has it (a file its machine lacks), that rank says it, after a pause, with its prefix."""
+    from tracer_cli import cli
+
+    pauses: list[float] = []
+    monkeypatch.setattr("time.sleep", pauses.append)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    result = invoke(runner, "run", sample("mlp"), "--ranks", "0,5")  # (as a config only rank 1's machine has)
+    assert result.exit_code == 2
+    assert pauses == [cli.RANK_ALONE_AFTER_S]
+    (first, *_) = result.stderr.splitlines()
+    assert first.startswith("[rank1] gradtrace: error: ") and "5" in first
 
 
 def test_inputs_on_the_command_line_replace_config_specs(runner, project):

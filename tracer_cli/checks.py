@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 
 from .compare import who_differs
 from .loss import COMPLEX_LEFT_OUT
-from .records import Node, Trace, a_or_an, joint_norm, listed, short_name
+from .records import Node, Trace, joint_norm, listed, short_name
 
 CHECKS = ("nonfinite", "nograd", "zero", "norm", "divergence", "gradcheck", "replay")
 CHECK_DEFAULT_FAILING = ("nonfinite", "nograd", "gradcheck")  # gradcheck and replay run only when asked for
@@ -244,10 +244,7 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
         made = trace.forward_nonfinite_origin()
         root = made or (trace.nodes[0] if trace.nodes else None)
         if made is not None:
-            message = (
-                f"the loss is {kind}: forward made {a_or_an(made.forward.nonfinite_kind)} first at #{made.id} {made.label()}"
-                + trace.unrecorded_note(made)
-            )
+            message = f"the loss is {kind}: forward made {trace.forward_origin_text(made)}"
         else:
             message = f"the loss is {kind}: the forward pass already produced it (forward values tell where: --json, or trace(forward_stats=True))"
         findings.append(
@@ -294,15 +291,33 @@ def _uses_nonfinite_forward(trace: Trace, node: Node) -> bool:
 
 
 def _reach(trace: Trace, start: int, within: set[int]) -> set[int]:
-    """Ids reachable from ``start`` along ``next`` through nodes of ``within`` (where the gradient flowed on)."""
+    """Ids of the nodes of ``within`` that a non-finite gradient reaches from ``start``: along each edge of
+    ``next`` that carried one (a finite gradient sent to a node that has a non-finite one from elsewhere
+    does not make it this one's), and from a node whose backward ran nodes of its own (a reentrant
+    checkpoint) into those."""
+    made_by: dict[int, list[int]] = {}
+    for node in trace.nodes:
+        if node.created_in is not None and node.id in within:
+            made_by.setdefault(node.created_in, []).append(node.id)
     seen = {start}
     queue = deque([start])
     while queue:
-        for child in trace.nodes[queue.popleft()].next:
-            if child is not None and child in within and child not in seen:
+        node = trace.nodes[queue.popleft()]
+        carried = [child for position, child in enumerate(node.next) if child is not None and _sent_nonfinite(node, position)]
+        for child in carried + made_by.get(node.id, []):
+            if child in within and child not in seen:
                 seen.add(child)
                 queue.append(child)
     return seen
+
+
+def _sent_nonfinite(node: Node, position: int) -> bool:
+    """Whether the node sent a non-finite gradient on edge ``position`` (in any call; unknown counts)."""
+    calls = [node.grad_inputs, *(call.grad_inputs for call in node.calls)]
+    known = [stats[position] for stats in calls if stats is not None and position < len(stats)]
+    if not known:
+        return True  # not recorded (the node did not say): followed, as before it was known
+    return any(stat is not None and stat.nonfinite_kind is not None for stat in known)
 
 
 def _nonfinite_finding(trace: Trace, origin: Node, reached: set[int]) -> Finding:

@@ -424,6 +424,9 @@ def check(
     _guarded(debug, lambda: _execute(ctx))
 
 
+RANK_ALONE_AFTER_S = 2.0  # how long a rank other than 0 waits before it reports a usage error of its own
+
+
 def _execute(ctx: typer.Context) -> int:
     """The body of ``run`` and ``check``: options, then one process, torchrun ranks, or the launcher."""
     from .distributed import launch, rank_info
@@ -436,9 +439,15 @@ def _execute(ctx: typer.Context) -> int:
         world_size = nproc_per_node or (info.world_size if info is not None else 0)
         if world_size > 0:  # --ranks beyond the job: said before any rank traces
             _selected_ranks(options.ranks, world_size)
-    except UsageError:
+    except UsageError as error:
         if info is not None and info.rank != 0 and nproc_per_node is None:
-            return ExitCode.USAGE  # every rank has the same options: rank 0 says what is wrong, once
+            # Every rank has the same options, so rank 0 says what is wrong, once, and torchrun's agent stops
+            # this rank meanwhile. One wrong on this rank alone (a file that only rank 0's machine has) is
+            # said here, with the rank's prefix.
+            import time
+
+            time.sleep(RANK_ALONE_AFTER_S)
+            return _report(error, ctx.params.get("debug", False), prefix=info.prefix)
         raise
     if nproc_per_node is not None:
         if info is not None:

@@ -558,9 +558,34 @@ class Trace:
         or not recorded (ops made inside an op, custom Functions). Known only where forward values were
         recorded (``forward_stats=True``; ``gradtrace run`` records them when the loss is not finite). None
         for a finite loss."""
+        reached = self._forward_nonfinite_reached()
+        leaves = sorted((n for n in reached if n.created is None), key=lambda n: n.id)
+        return leaves[0] if leaves else min(reached, key=lambda n: n.created, default=None)
+
+    def forward_nan_after(self, origin: Node) -> Node | None:
+        """Of a NaN loss whose :meth:`forward_nonfinite_origin` made an infinity: the op that first made a NaN
+        of it, of those the value reached the loss through (a softmax over a row an ``-inf`` mask filled, the
+        mask being meant; an activation of a value that overflowed). None otherwise."""
+        loss = self.meta.loss
+        if loss is None or not math.isnan(loss) or origin.forward is None or origin.forward.nonfinite_kind != "inf":
+            return None
+        made = [n for n in self._forward_nonfinite_reached() if n.created is not None and n.forward.nonfinite_kind == "nan"]
+        return min(made, key=lambda n: n.created, default=None)
+
+    def forward_origin_text(self, origin: Node) -> str:
+        """``"an inf first at #7 AddmmBackward0 in fc (a nan first at #5 GeluBackward0 in act)"``, and the
+        notes of :meth:`unrecorded_note`: the words after "forward made" in a message."""
+        text = f"{a_or_an(origin.forward.nonfinite_kind)} first at #{origin.id} {origin.label()}" + self.unrecorded_note(origin)
+        nan = self.forward_nan_after(origin)
+        if nan is not None:
+            text += f"; a nan first at #{nan.id} {nan.label()}" + (f", created at {nan.source}" if nan.source else "")
+        return text
+
+    def _forward_nonfinite_reached(self) -> list[Node]:
+        """The forward nodes whose non-finite output reached a non-finite loss (see :meth:`forward_nonfinite_origin`)."""
         loss = self.meta.loss
         if not self.nodes or loss is None or math.isfinite(loss):
-            return None
+            return []
         reached, seen, stack = [], {0}, [0]
         while stack:
             node = self.nodes[stack.pop()]
@@ -572,8 +597,7 @@ class Trace:
                 if child is not None and child not in seen:
                     seen.add(child)
                     stack.append(child)
-        leaves = sorted((n for n in reached if n.created is None), key=lambda n: n.id)
-        return leaves[0] if leaves else min(reached, key=lambda n: n.created, default=None)
+        return reached
 
     def unrecorded_before(self, node: Node) -> list[Node]:
         """The ops that fed ``node`` without a forward value of their own (made inside one call that is seen
@@ -592,7 +616,13 @@ class Trace:
         return sorted(found, key=lambda n: n.created)
 
     def unrecorded_note(self, node: Node) -> str:
-        """``", or in an op before it ..."`` naming :meth:`unrecorded_before` (empty when there is none)."""
+        """``", or in an op before it ..."`` naming :meth:`unrecorded_before` (empty when there is none); for a
+        reentrant checkpoint, that its segment's ops are not recorded in forward."""
+        if any(other.created_in == node.id for other in self.nodes):
+            return (
+                ", a reentrant checkpoint: the ops of its segment run without a record in forward "
+                "(with use_reentrant=False they are recorded)"
+            )
         unseen = self.unrecorded_before(node)
         if not unseen:
             return ""

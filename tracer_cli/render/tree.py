@@ -520,6 +520,11 @@ def render_summary(trace: Trace) -> Table:
         if made.source:
             text.append(f", created at {made.source}", style=_NONFINITE)
         text.append(trace.unrecorded_note(made), style=_NONFINITE)
+        nan = trace.forward_nan_after(made)
+        if nan is not None:  # an infinity (a mask's -inf, an overflow) that an op later made a NaN of
+            text.append(f"; a nan first at #{nan.id} {short_name(nan.name)} {_where(nan)}", style=_NONFINITE)
+            if nan.source:
+                text.append(f", created at {nan.source}", style=_NONFINITE)
         table.add_row("non-finite", text)
     elif origin is not None:
         text = Text(f"{len(nonfinite)} nodes; it starts at ", style=_NONFINITE)
