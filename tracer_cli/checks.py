@@ -261,16 +261,20 @@ def nonfinite_findings(trace: Trace) -> list[Finding]:
         )
     bad = trace.nonfinite_nodes()
     bad_ids = {node.id for node in bad}
+    made_by: dict[int, list[int]] = {}  # a reentrant checkpoint's node -> the non-finite nodes its backward ran
+    for node in bad:
+        if node.created_in is not None:
+            made_by.setdefault(node.created_in, []).append(node.id)
     covered: set[int] = set()
     carried = 0  # origins in backward that only carry on forward's value (a weight's gradient from a NaN input)
     for node in trace.nonfinite_origins() + bad:  # nodes reached from no origin (their input came from nowhere visible) count as origins
         if node.id in covered:
             continue
-        reached = _reach(trace, node.id, bad_ids)
+        reached = _reach(trace, node.id, bad_ids, made_by)
         creator = node.created_in  # a reentrant checkpoint that ran it sends on what it made
         while creator is not None:
             if creator in bad_ids:
-                reached |= _reach(trace, creator, bad_ids)
+                reached |= _reach(trace, creator, bad_ids, made_by)
             creator = trace.nodes[creator].created_in
         covered |= reached
         if made is not None and _uses_nonfinite_forward(trace, node):
@@ -290,15 +294,11 @@ def _uses_nonfinite_forward(trace: Trace, node: Node) -> bool:
     return any(value is not None and value.finite is False for value in values)
 
 
-def _reach(trace: Trace, start: int, within: set[int]) -> set[int]:
+def _reach(trace: Trace, start: int, within: set[int], made_by: dict[int, list[int]]) -> set[int]:
     """Ids of the nodes of ``within`` that a non-finite gradient reaches from ``start``: along each edge of
     ``next`` that carried one (a finite gradient sent to a node that has a non-finite one from elsewhere
     does not make it this one's), and from a node whose backward ran nodes of its own (a reentrant
-    checkpoint) into those."""
-    made_by: dict[int, list[int]] = {}
-    for node in trace.nodes:
-        if node.created_in is not None and node.id in within:
-            made_by.setdefault(node.created_in, []).append(node.id)
+    checkpoint: ``made_by``) into those."""
     seen = {start}
     queue = deque([start])
     while queue:

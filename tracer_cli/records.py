@@ -573,7 +573,7 @@ class Trace:
         return min(made, key=lambda n: n.created, default=None)
 
     def forward_origin_text(self, origin: Node) -> str:
-        """``"an inf first at #7 AddmmBackward0 in fc (a nan first at #5 GeluBackward0 in act)"``, and the
+        """``"an inf first at #7 AddmmBackward0 in fc; a nan first at #5 GeluBackward0 in act"``, with the
         notes of :meth:`unrecorded_note`: the words after "forward made" in a message."""
         text = f"{a_or_an(origin.forward.nonfinite_kind)} first at #{origin.id} {origin.label()}" + self.unrecorded_note(origin)
         nan = self.forward_nan_after(origin)

@@ -1427,7 +1427,7 @@ class _TraceSession:
                 note = USER_HOOKS if hooks is not None and len(hooks) > 1 else None
                 return (self.stats.value(torch.stack(diffs).max()), self.stats.value(torch.stack(scales).max()), note)
         except Exception as exc:  # the node refused to run again: that is the finding
-            if "backward through the graph a second time" in str(exc):  # it frees what it saved: no verdict
+            if "backward through the graph a second time" in message_of(exc):  # it frees what it saved: no verdict
                 return (None, None, f"could not run again, its saved tensors were freed as it ran: not replayed ({first_line(exc, 120)})")
             return (None, None, f"could not run again: {first_line(exc, 200)}")
         finally:
