@@ -610,6 +610,77 @@ def test_graph_nodes_the_model_keeps_are_left_without_gradtrace_hooks():
     assert model.calls == ["user", "user"] and later == ["later"]
 
 
+def test_a_hook_added_later_to_a_node_that_shares_gradtraces_hook_dict_is_refused():
+    """Nodes hooked by gradtrace alone share one hook dict: a hook put there would run on all of them. A node of a
+    graph kept past the trace refuses a new hook with a clear error; the kept graph still runs without it."""
+    keeper = Keeper()
+    trace(keeper, torch.ones(3), input_grad=False)
+    sin = keeper.kept.sin()  # a node made after the trace takes hooks as usual
+    sin.grad_fn.register_hook(lambda grad_inputs, grad_outputs: None)
+    shared = keeper.kept.grad_fn  # AddBackward0 had the user's hook: its own dict, which takes more
+    shared.register_hook(lambda grad_inputs, grad_outputs: None)
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+            self.kept = None
+
+        def forward(self, x):
+            self.kept = (x + self.w).neg()  # nothing saved for backward: the kept graph can run again
+            return self.kept.sum()
+
+    model = Chain()
+    trace(model, torch.ones(3))
+    with pytest.raises(RuntimeError, match="gradtrace"):
+        model.kept.grad_fn.register_hook(lambda grad_inputs, grad_outputs: None)
+    model.kept.sum().backward()
+    assert torch.equal(model.w.grad, -torch.ones(3))
+
+
+def test_two_threads_tracing_at_once_see_each_nodes_own_gradients():
+    """Every ordinary node shares one hook, which asks the engine which node runs: two traces in two threads
+    at once still give each node the gradient it received, as retain_grad() shows it."""
+    import threading
+
+    def chain(length, scale):
+        def model(x):
+            for _ in range(length):
+                x = (x * scale).sin()
+            return x.sum()
+
+        return model
+
+    def expected(length, scale):
+        x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
+        kept = []
+        y = x
+        for _ in range(length):
+            y = (y * scale).sin()
+            y.retain_grad()
+            kept.append(y)
+        y.sum().backward()
+        return [float(t.grad.norm()) for t in reversed(kept)]  # SinBackward0 nodes, last made first
+
+    wrong: list[str] = []
+
+    def run(length, scale):
+        want = expected(length, scale)
+        for _ in range(10):
+            result = trace(chain(length, scale), torch.linspace(-1.0, 1.0, 8))
+            sins = sorted((n for n in result.nodes if n.name == "SinBackward0"), key=lambda n: n.order)
+            got = [n.grad_outputs[0].norm for n in sins]
+            if got != pytest.approx(want, rel=1e-5):
+                wrong.append(f"chain of {length}: {got[:3]} against {want[:3]}")
+
+    threads = [threading.Thread(target=run, args=args) for args in ((300, 1.1), (500, 0.7))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+
+
 def test_hooks_registered_by_another_thread_meanwhile_get_torch_handles():
     import threading
 
