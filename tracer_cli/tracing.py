@@ -1151,6 +1151,7 @@ class _TraceSession:
         """Number and hook every node reachable from ``roots`` that is not hooked yet."""
         nodes, index, nexts, handles = self.nodes, self.index, self.next, self.handles
         leaf_type, custom_type, partial, missing = self._leaf_type, self._custom_type, functools.partial, _MISSING
+        repeat = itertools.repeat
         find, add_node, add_next, add_handle = index.get, nodes.append, nexts.append, handles.append
         if self._run_hook is None:
             self._run_hook = self._make_run_hook()
@@ -1166,18 +1167,27 @@ class _TraceSession:
                 index[root] = len(nodes)
                 nodes.append(root)
         # breadth first: the new nodes are the queue (a list iterator sees what is appended meanwhile)
+        for node in itertools.islice(nodes, start, None):
+            children = []
+            for child, _ in node.next_functions:
+                child_id = find(child, missing)  # index maps None to None
+                if child_id is missing:
+                    child_id = index[child] = len(nodes)
+                    add_node(child)
+                children.append(child_id)
+            add_next(tuple(children))
+        new_ids = range(start, len(nodes))
         with _node_hooks(self._hook_key, shared, shared_hooks) as fast:
-            if not fast:
-                shared = None  # torch's handles, one per hook: each node's own hook then
-            for node_id, node in enumerate(itertools.islice(nodes, start, None), start):
-                children = []
-                for child, _ in node.next_functions:
-                    child_id = find(child, missing)  # index maps None to None
-                    if child_id is missing:
-                        child_id = index[child] = len(nodes)
-                        add_node(child)
-                    children.append(child_id)
-                add_next(tuple(children))
+            if fast and shared is not None:
+                # every ordinary node at once (one hook, one dict: see _node_hooks); the rest one by one below
+                new_nodes = nodes[start:]
+                ordinary = list(map(operator.not_, map(isinstance, new_nodes, repeat((leaf_type, custom_type)))))
+                hooked = list(map(operator.methodcaller("register_hook", shared), itertools.compress(new_nodes, ordinary)))
+                # a node's own dict where it had hooks of the user's
+                handles += itertools.compress(hooked, map(operator.is_not, hooked, repeat(shared_hooks)))
+                new_ids = itertools.compress(new_ids, map(operator.not_, ordinary))
+            for node_id in new_ids:
+                node = nodes[node_id]
                 if type(node) is leaf_type:
                     # before it runs: what arrived, before it lands in .grad, where a post-accumulate-grad hook
                     # (an optimizer step in backward) may change this very tensor in place. A pre-hook gets
@@ -1187,10 +1197,6 @@ class _TraceSession:
                 elif isinstance(node, custom_type):
                     add_handle(node.register_prehook(partial(self._on_custom_start, node_id)))
                     add_handle(node.register_hook(partial(self._on_custom_run, node_id)))
-                elif shared is not None:
-                    handle = node.register_hook(shared)
-                    if handle is not shared_hooks:  # the node's own dict: it had hooks of the user's
-                        add_handle(handle)
                 else:
                     add_handle(node.register_hook(partial(on_run, node_id)))
         if self.replay:  # each node's post-hook dict: hooks of the user's there make a replay differ
