@@ -127,6 +127,41 @@ def test_gc_state_is_restored():
     assert gc.isenabled()
 
 
+def test_no_collection_runs_inside_a_trace():
+    """Collection is off while trace() runs and back on as the last thing before it returns: the first
+    collection after it comes with the caller's next allocation (it walks the Trace only if the caller keeps
+    it), not with trace()'s own exits, where the whole Trace is still alive."""
+
+    def chain(x):
+        for _ in range(300):
+            x = x.sin()
+        return x.sum()
+
+    started: list[int] = []
+
+    def record(phase, info):
+        if phase == "start":
+            started.append(info["generation"])
+
+    threshold, was_enabled = gc.get_threshold(), gc.isenabled()
+    gc.set_threshold(700, 10, 10)
+    gc.enable()
+    gc.callbacks.append(record)
+    try:
+        for _ in range(3):
+            x = torch.ones(4)
+            gc.collect()
+            started.clear()
+            result = trace(chain, x)
+            assert not started, started  # (a comparison with a new list would allocate, and collect)
+            assert gc.isenabled() and len(result.nodes) > 300
+    finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*threshold)
+        if not was_enabled:
+            gc.disable()
+
+
 def test_gradient_penalty_with_create_graph_inside_forward():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
