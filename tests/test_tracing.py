@@ -673,6 +673,24 @@ def test_a_hook_added_later_to_a_node_that_shares_gradtraces_hook_dict_is_refuse
     assert torch.equal(model.w.grad, -torch.ones(3))
 
 
+def test_a_shared_hook_call_for_no_node_of_the_graph_fails_the_trace_and_leaves_the_model_as_it_was(monkeypatch):
+    """The shared hook asks the engine which node runs; where the answer is no node of the traced graph, the
+    trace fails with gradtrace's own error rather than logging the gradient under a wrong node, and the model
+    then runs a plain backward with no hook of gradtrace's left."""
+    from tracer_cli.errors import InternalError
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.randn(5, 4)
+    expected = plain_grads(model, (x,))
+    monkeypatch.setattr(torch._C, "_current_autograd_node", lambda: None)
+    with pytest.raises(InternalError, match="names no node"):
+        trace(model, x)
+    monkeypatch.undo()
+    assert model.training and all(p.grad is None for p in model.parameters())
+    after = plain_grads(model, (x,))
+    assert after.keys() == expected.keys() and all(torch.equal(after[k], expected[k]) for k in expected)
+
+
 def test_two_threads_tracing_at_once_see_each_nodes_own_gradients():
     """Every ordinary node shares one hook, which asks the engine which node runs: two traces in two threads
     at once still give each node the gradient it received, as retain_grad() shows it."""

@@ -1153,13 +1153,13 @@ class _TraceSession:
         leaf_type, custom_type, partial, missing = self._leaf_type, self._custom_type, functools.partial, _MISSING
         repeat = itertools.repeat
         find, add_node, add_next, add_handle = index.get, nodes.append, nexts.append, handles.append
+        shared_hooks = self._shared_hooks
         if self._run_hook is None:
             self._run_hook = self._make_run_hook()
-        # with the node running asked of the engine, one hook for every ordinary node (see _node_hooks)
-        shared = None if self.replay or self._current_node is None else partial(self._run_hook, None)
-        shared_hooks = self._shared_hooks
-        if shared is not None:
-            dict.__setitem__(shared_hooks, self._hook_key, shared)
+            if not self.replay and self._current_node is not None:
+                # with the node running asked of the engine, one hook for every ordinary node (see _node_hooks)
+                dict.__setitem__(shared_hooks, self._hook_key, partial(self._run_hook, None))
+        shared = shared_hooks.get(self._hook_key)
         on_run = self._on_run_now if self.replay else self._run_hook
         start, first_handle = len(nodes), len(handles)
         for root in roots:
@@ -1944,7 +1944,8 @@ def _describe_model(model: Any) -> str:
 
 def _with_grad(function: Callable[..., Trace]) -> Callable[..., Trace]:
     """Run ``function`` with grad mode on and inference mode off, as a training step runs, also where the
-    caller is inside ``no_grad()`` or ``inference_mode()`` (an evaluation loop, say)."""
+    caller is inside ``no_grad()`` or ``inference_mode()`` (an evaluation loop, say); and with garbage
+    collection paused until it returns."""
 
     @functools.wraps(function)
     def in_grad_mode(*args: Any, **kwargs: Any) -> Trace:
