@@ -815,6 +815,40 @@ def test_a_custom_function_made_again_in_a_reentrant_checkpoint_is_traced_and_gr
     assert [s.norm for s in node.grad_inputs] == pytest.approx(seen, rel=1e-5)
 
 
+def test_a_custom_functions_node_made_in_backward_is_named_and_placed_after_its_graph_is_freed(monkeypatch):
+    """The recompute's graph is freed before the trace ends; torch 2.1 then refuses a custom Function's node its
+    name and crashes on its sequence number. As there, this Function's node answers neither once its backward
+    has run: the trace still names it and puts it in the segment, as a plain backward shows the segment ran."""
+    ran = []
+
+    class Halved(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x / 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            ran.append(True)
+            return grad / 2
+
+    backward_type = Halved._backward_cls
+
+    def refused(method):
+        def read(node):
+            if ran:
+                raise RuntimeError("Attribute is invalid for this instance of _C._FunctionBase (freed)")
+            return method(node)
+
+        return read
+
+    monkeypatch.setattr(backward_type, "_sequence_nr", refused(torch._C._FunctionBase._sequence_nr), raising=False)
+    monkeypatch.setattr(backward_type, "name", refused(torch._C._FunctionBase.name), raising=False)
+    torch.manual_seed(0)
+    result = trace(_Checkpointed(lambda x: Halved.apply(x)), torch.randn(2, 4))
+    (node,) = result.find("HalvedBackward")
+    assert ran and node.created_in is not None and node.module == "segment" and node.executed
+
+
 @pytest.mark.parametrize("last", ["function", "sqrt"])
 def test_a_nan_made_inside_a_reentrant_checkpoint_has_one_origin(last):
     """The checkpoint's node sends on the NaN its nested backward made: the node that made it is the one

@@ -1131,6 +1131,9 @@ class _TraceSession:
         self.created_in: dict[int, int | None] = {}  # nodes made during backward -> the node running then
         self.backward_modules: dict[int, str | None] = {}  # and the module active when they were made
         self.backward_sites: dict[int, Any] = {}  # and the user's line (or stack) that made them
+        # and their sequence numbers and names, read as they are made: a reentrant checkpoint's recompute graph
+        # is freed before the trace ends, and a custom Function's node then has neither (torch 2.1 crashes)
+        self.backward_ids: dict[int, tuple[int, str]] = {}
         self.forward_stats = False
         self.forward_slots: dict[int, int] = {}  # node id -> slot of the forward value its op produced
         self.sites: _SiteRecorder | None = None
@@ -1215,6 +1218,7 @@ class _TraceSession:
                 self.created_in[node_id] = self.running_custom[-1] if self.running_custom else None
                 self.backward_modules[node_id] = self.tracker.current()
                 self.backward_sites[node_id] = site
+                self.backward_ids[node_id] = (nodes[node_id]._sequence_nr(), nodes[node_id].name())
         if self.forward_stats:
             with self._torch.no_grad():
                 for node_id in range(start, len(nodes)):
@@ -1569,7 +1573,7 @@ class _TraceSession:
         leaves = {at(old) for old in self.leaf_ids if old in position_of}
         backward = {at(old): creator for old, creator in self.created_in.items() if old in position_of}
         # per field, the value for each kept node
-        seqs = [node._sequence_nr() for node in kept]  # a leaf's is 2**64-1
+        seqs = [node._sequence_nr() for node in kept] if not backward else self._sequence_nrs(kept, keep)  # a leaf's is 2**64-1
         modules = _intervals_at(self.tracker.bound_seqs, self.tracker.bound_modules, seqs)
         sources: list[str | None] = [None] * len(kept)
         stacks: list[tuple[str, ...] | None] = [None] * len(kept)
@@ -1636,7 +1640,7 @@ class _TraceSession:
                 functools.partial(tuple.__new__, Node),
                 zip(
                     range(len(kept)),
-                    _node_names(kept),
+                    _node_names(kept, {position: self.backward_ids[keep[position]][1] for position in backward}),
                     modules,
                     params,
                     orders,
@@ -1697,6 +1701,11 @@ class _TraceSession:
             except Exception:  # the mode was pushed on another thread; it ends with that thread's task
                 pass
         self.running_custom.clear()
+
+    def _sequence_nrs(self, kept: list[Any], keep: list[int]) -> list[int]:
+        """Each kept node's sequence number: of a node made during backward, as read when it was made."""
+        made = self.backward_ids
+        return [made[old][0] if old in made else node._sequence_nr() for old, node in zip(keep, kept)]
 
     def release(self) -> None:
         """Drop every reference to the graph and the gradients, the loss's node first.
@@ -1826,8 +1835,9 @@ def _intervals_at(starts: list[int], values: list[Any], seqs: list[int]) -> list
     return found
 
 
-def _node_names(nodes: list[Any]) -> list[str]:
-    """``node.name()`` of each node, asked once per node type where the type fixes the name.
+def _node_names(nodes: list[Any], known: dict[int, str] | None = None) -> list[str]:
+    """``node.name()`` of each node, asked once per node type where the type fixes the name; ``known``:
+    position -> name of nodes that may be freed by now (not asked).
 
     It does for a generated node type (named as its nodes are), a custom Function's node type (its
     nodes are named by it) and every other type torch registers for one C++ class
@@ -1835,6 +1845,9 @@ def _node_names(nodes: list[Any]) -> list[str]:
     """
     import torch
 
+    if known:
+        asked = iter(_node_names([node for position, node in enumerate(nodes) if position not in known]))
+        return [known[position] if position in known else next(asked) for position in range(len(nodes))]
     types = list(map(type, nodes))
     names: dict[type, str | None] = {}
     for node_type, node in dict(zip(types, nodes)).items():  # a node of each type
