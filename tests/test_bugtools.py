@@ -56,6 +56,18 @@ def test_nan_origin_names_node_module_and_line():
     assert listed[0]["id"] == first["id"] and len(listed) == len(result.nonfinite_nodes())
 
 
+def test_the_lists_a_trace_answers_are_the_callers_own():
+    """A Trace works out which nodes ran and which hold a NaN once; each call still hands out a new list, so
+    a caller that changes one changes no later answer."""
+    result = sample_trace("nan_where")
+    ran, nonfinite = result.executed(), result.nonfinite_nodes()
+    assert nonfinite and [n.id for n in nonfinite] == [n.id for n in ran if n.nonfinite_kind == "nan"]
+    ran.clear()
+    nonfinite.clear()
+    assert len(result.executed()) == sum(n.order is not None for n in result.nodes)
+    assert [n.id for n in result.nonfinite_nodes()] == [n.id for n in result.executed() if n.nonfinite_kind]
+
+
 def test_masked_infinity_is_found_although_later_nodes_are_finite():
     result = sample_trace("masked_inf")
     first = result.summary()["first_nonfinite"]

@@ -939,9 +939,17 @@ def _traced(options: _Options, target: str) -> Any:
 
 
 def _run_single(options: _Options) -> int:
+    result = _traced(options, options.targets[0])
+    from .tracing import collection_paused
+
+    with collection_paused():  # the outputs of a Trace of up to 100k nodes (on those, a third of the JSON's time)
+        return _show_single(options, result)
+
+
+def _show_single(options: _Options, result: Any) -> int:
+    """``run``'s outputs of one trace: the JSON, the tree, the findings; the exit code."""
     from .checks import trace_findings
 
-    result = _traced(options, options.targets[0])
     findings = [f for f in trace_findings(result, options.policy.thresholds) if options.policy.fails(f)]
     to_stdout = options.json_path == "-"  # stdout carries the JSON alone: the tree is only exported, findings go to stderr
     if options.json_path is not None:
@@ -1218,22 +1226,24 @@ def _compare_and_show(options: _Options, documents: list[dict[str, Any]]) -> int
 
     from .checks import comparison_findings, merge_rank_findings, trace_findings
     from .render.json import dumps_merged
+    from .tracing import collection_paused
 
-    traces, comparison = _compared(options, documents)
-    findings = merge_rank_findings([trace_findings(t, options.policy.thresholds) for t in traces])
-    failed = [f for f in findings + comparison_findings(comparison) if options.policy.fails(f)]
-    to_stdout = options.json_path == "-"  # as in _run_single
-    if options.json_path is not None:
-        _write_json(options.json_path, dumps_merged(traces, comparison))
-    console = _log_console(record=bool(options.exports), silent=to_stdout)
-    if not to_stdout or options.exports:
-        for line in _rank_lines(options, console, traces, comparison):
-            console.print(line, soft_wrap=True)
-    _print_findings(_log_console(stderr=True) if to_stdout else console, failed, "[rank0] ")
-    _save_exports(options, console, traces[0], "[rank0] ")
-    if options.json_path is not None and not to_stdout:
-        _stderr_console().print(f"[rank0] merged trace of {len(traces)} ranks written to {options.json_path}", style="dim", markup=False)
-    return _verdict(failed)
+    with collection_paused():  # as in _run_single
+        traces, comparison = _compared(options, documents)
+        findings = merge_rank_findings([trace_findings(t, options.policy.thresholds) for t in traces])
+        failed = [f for f in findings + comparison_findings(comparison) if options.policy.fails(f)]
+        to_stdout = options.json_path == "-"  # as in _run_single
+        if options.json_path is not None:
+            _write_json(options.json_path, dumps_merged(traces, comparison))
+        console = _log_console(record=bool(options.exports), silent=to_stdout)
+        if not to_stdout or options.exports:
+            for line in _rank_lines(options, console, traces, comparison):
+                console.print(line, soft_wrap=True)
+        _print_findings(_log_console(stderr=True) if to_stdout else console, failed, "[rank0] ")
+        _save_exports(options, console, traces[0], "[rank0] ")
+        if options.json_path is not None and not to_stdout:
+            _stderr_console().print(f"[rank0] merged trace of {len(traces)} ranks written to {options.json_path}", style="dim", markup=False)
+        return _verdict(failed)
 
 
 def _check_ranks(options: _Options, target: str, documents: list[dict[str, Any]], console: Any) -> Any:

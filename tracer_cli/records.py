@@ -17,6 +17,7 @@ than a frozen dataclass.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence
@@ -268,10 +269,10 @@ class Node(NamedTuple):
     @property
     def nonfinite_kind(self) -> str | None:
         """``"nan"`` if any gradient holds a NaN, else ``"inf"`` if any holds an infinity."""
-        kinds = {stat.nonfinite_kind for _, _, stat in self.stats()}
-        if "nan" in kinds:
-            return "nan"
-        return "inf" if "inf" in kinds else None
+        norms = [stat.norm for _, _, stat in self.stats() if stat.norm is not None]
+        if all(map(math.isfinite, norms)):
+            return None
+        return "nan" if any(map(math.isnan, norms)) else "inf"
 
     @property
     def grad_norm(self) -> float | None:
@@ -477,7 +478,16 @@ class Trace:
 
     def executed(self) -> list[Node]:
         """The nodes that ran, in execution order."""
-        return sorted((n for n in self.nodes if n.order is not None), key=lambda n: n.order)
+        return list(self._executed)
+
+    # Derived once per Trace (it is frozen): the CLI's tree, summary and checks each ask again
+    @functools.cached_property
+    def _executed(self) -> tuple[Node, ...]:
+        return tuple(sorted((n for n in self.nodes if n.order is not None), key=lambda n: n.order))
+
+    @functools.cached_property
+    def _nonfinite_nodes(self) -> tuple[Node, ...]:
+        return tuple(n for n in self._executed if n.nonfinite_kind is not None)
 
     def find(self, name: str | None = None, *, module: str | None = None, param: str | None = None) -> list[Node]:
         """Nodes matching every criterion given (exact matches)."""
@@ -515,7 +525,7 @@ class Trace:
 
     def nonfinite_nodes(self) -> list[Node]:
         """Nodes with a NaN or infinite gradient, in execution order."""
-        return [n for n in self.executed() if n.nonfinite_kind is not None]
+        return list(self._nonfinite_nodes)
 
     def nonfinite_origins(self) -> list[Node]:
         """The nodes that made a NaN or infinity, in execution order: each sent one on although every

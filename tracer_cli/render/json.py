@@ -11,8 +11,9 @@ def dumps(trace: Trace) -> str:
     """Serialise a trace as the versioned ``gradtrace/1`` document, one line per node."""
     document = trace.to_dict()
     nodes = document.pop("nodes")
-    head = json.dumps(document, allow_nan=False, sort_keys=True)
-    lines = ",\n".join(json.dumps(node, allow_nan=False, sort_keys=True) for node in nodes)
+    encode = json.JSONEncoder(allow_nan=False, sort_keys=True).encode  # json.dumps(..., allow_nan=False, sort_keys=True)
+    head = encode(document)
+    lines = ",\n".join(map(encode, nodes))
     # {"meta":..., "nodes": [\n node,\n node\n], "schema":..., "summary":...} keeps diffs and greps line-based
     return head[:-1] + ', "nodes": [\n' + lines + "\n]}\n"
 
