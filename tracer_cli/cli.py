@@ -984,6 +984,7 @@ def _check_single(options: _Options) -> int:
     from .checks import check_traces
     from .render.findings import render_report
     from .render.tree import render_trace
+    from .tracing import collection_paused
 
     console = _log_console()
     reports = []
@@ -994,10 +995,11 @@ def _check_single(options: _Options) -> int:
             reports.append(_error_report(options, target, error, _report(error, options.debug)))
             console.print(render_report(reports[-1]), soft_wrap=True)
             continue
-        if options.show_tree:
-            console.print(render_trace(result, options.tree))
-        reports.append(check_traces([result], options.policy, target=target))
-        console.print(render_report(reports[-1]))
+        with collection_paused():  # as in _run_single
+            if options.show_tree:
+                console.print(render_trace(result, options.tree))
+            reports.append(check_traces([result], options.policy, target=target))
+            console.print(render_report(reports[-1]))
     return _finish_check(options, reports, console, "")
 
 
