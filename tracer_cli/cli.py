@@ -939,9 +939,9 @@ def _traced(options: _Options, target: str) -> Any:
 
 
 def _run_single(options: _Options) -> int:
-    result = _traced(options, options.targets[0])
     from .tracing import collection_paused
 
+    result = _traced(options, options.targets[0])
     with collection_paused():  # the outputs of a Trace of up to 100k nodes (on those, a third of the JSON's time)
         return _show_single(options, result)
 

@@ -1095,7 +1095,6 @@ class _TraceSession:
         self._torch = torch
         self._leaf_type = torch._C._functions.AccumulateGrad
         self._custom_type = torch.autograd.function.BackwardCFunction
-        self._tensor_type = torch.Tensor
         self._current_node = getattr(torch._C, "_current_autograd_node", None)  # the node running in this thread
         self.stats = _Stats()
         self.leaves = leaves
@@ -1235,7 +1234,7 @@ class _TraceSession:
     def record_forward(self, output: Any) -> None:
         """Queue the norm of an op's output tensors under the node that produced them."""
         try:
-            if type(output) is self._tensor_type:  # most ops: one plain tensor, normed detached (no graph)
+            if type(output) is self._torch.Tensor:  # most ops: one plain tensor, normed detached (no graph)
                 grad_fn = output.grad_fn
                 if grad_fn is not None:
                     self.forward_values[id(grad_fn)] = (grad_fn, self.stats.now(output.detach()))
