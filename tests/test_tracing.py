@@ -691,6 +691,68 @@ def test_a_shared_hook_call_for_no_node_of_the_graph_fails_the_trace_and_leaves_
     assert after.keys() == expected.keys() and all(torch.equal(after[k], expected[k]) for k in expected)
 
 
+def test_two_threads_recording_custom_functions_at_once_each_record_their_own_and_leave_apply_as_it_was():
+    """Each trace records its thread's custom Function calls (for --gradcheck) through Function.apply, one
+    attribute for the process. Two traces in two threads, the first to start also the first to end: each
+    checks its own Function, and afterwards Function.apply is torch's again (it was left pointing at a
+    finished trace, which then hooked the graph of every custom Function applied later)."""
+    import threading
+
+    original = torch.autograd.Function.__dict__["apply"]
+    both_inside, first_done = threading.Barrier(2, timeout=30), threading.Event()
+
+    def function(name, scale, wait):
+        calls = []
+
+        def forward(ctx, x):
+            calls.append(x)
+            if len(calls) == 1:  # the trace's forward (the gradcheck runs it again)
+                both_inside.wait()  # both traces are recording now
+                if wait:
+                    first_done.wait(timeout=30)  # the other trace ends first
+            return x * scale
+
+        def backward(ctx, grad):
+            return grad * scale
+
+        return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    results: dict[str, object] = {}
+
+    def run(name, scale, wait):
+        fn = function(name, scale, wait)
+        try:
+            results[name] = trace(lambda x: fn.apply(x.sin()).sum(), torch.ones(3), gradcheck=True)
+        except Exception as exc:  # noqa: BLE001 (reported by the assertion below)
+            results[name] = exc
+        if not wait:
+            first_done.set()
+
+    threads = [threading.Thread(target=run, args=args) for args in (("First", 2.0, False), ("Second", 3.0, True))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert torch.autograd.Function.__dict__["apply"] is original
+    for name in ("First", "Second"):
+        (node,) = results[name].find(f"{name}Backward")
+        assert node.gradcheck is not None and node.gradcheck.passed, name
+
+
+    class Later(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    # a custom Function applied later: its input's node takes hooks as usual (no finished trace hooked it)
+    y = Later.apply(torch.ones(3, requires_grad=True).sin())
+    y.grad_fn.next_functions[0][0].register_hook(lambda grad_inputs, grad_outputs: None)
+
+
 def test_two_threads_tracing_at_once_see_each_nodes_own_gradients():
     """Every ordinary node shares one hook, which asks the engine which node runs: two traces in two threads
     at once still give each node the gradient it received, as retain_grad() shows it."""

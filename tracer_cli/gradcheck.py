@@ -17,6 +17,7 @@ tensors), and fails if either fails:
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator
 
 from .errors import first_line
@@ -31,12 +32,31 @@ RTOL = 1e-3  # PyTorch gradcheck's own relative tolerance
 _ROUNDING = 10 * 2.0**-52  # float64 rounding of each output value, with a margin
 
 
+# Function.apply is one attribute for the whole process: while any thread records, it is _apply, which
+# hands each call to the innermost recorder of the calling thread (each recorder calls the one it was
+# opened inside, the outermost torch's apply); other threads' calls go straight to torch's apply. Patched
+# and put back per recorder instead, two threads tracing at once put each other's patch back, and one
+# stayed in place after both had ended.
+_recorders: dict[int, list[Callable[..., Any]]] = {}  # thread -> its recorders' apply, innermost last
+_recorders_lock = threading.Lock()
+_torch_apply: Any = None  # torch's Function.apply while _apply is in its place
+
+
+def _torch_call(cls: type, *args: Any, **kwargs: Any) -> Any:
+    return _torch_apply.__get__(None, cls)(*args, **kwargs)  # bound to cls: either kind of classmethod
+
+
+def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    recorders = _recorders.get(threading.get_ident())
+    return (recorders[-1] if recorders else _torch_call)(cls, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def recording_calls(
     calls: dict[int, tuple] | None, keep_args: bool, sites: Any = None, on_output: Callable[[Any], None] | None = None
 ) -> Iterator[None]:
-    """Record each custom Function call under ``id(node)`` (and, with ``sites``, where it was made; with
-    ``on_output``, its output: no TorchFunctionMode sees it).
+    """Record each custom Function call of this thread under ``id(node)`` (and, with ``sites``, where it was
+    made; with ``on_output``, its output: no TorchFunctionMode sees it).
 
     The record is ``(node, Function class, args, kwargs, tensor_mask, outputs)``: ``tensor_mask``
     says which positional arguments were tensors (the backward returns one gradient per
@@ -44,15 +64,16 @@ def recording_calls(
     each tensor output, in order (what the backward receives a gradient for). ``args`` and
     ``kwargs`` are kept only with ``keep_args`` (they hold the inputs alive until the check).
     """
+    global _torch_apply
     import torch
 
     function = torch.autograd.Function
-    original = function.__dict__["apply"]  # a classmethod; from torch 2.14 a C classmethod_descriptor
     next_sequence_nr = torch._C._autograd._get_sequence_nr
+    thread = threading.get_ident()
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         first = next_sequence_nr()
-        output = original.__get__(None, cls)(*args, **kwargs)  # bound to cls: either kind of classmethod
+        output = inner(cls, *args, **kwargs)
         if sites is not None:  # the Function's node was numbered before its forward ran; after it, the
             site = sites.user_site()  # caller's line goes on
             sites.starts += (first, first + 1)
@@ -71,11 +92,23 @@ def recording_calls(
                 break
         return output
 
-    function.apply = classmethod(apply)
+    with _recorders_lock:
+        if not _recorders:
+            _torch_apply = function.__dict__["apply"]  # a classmethod; from torch 2.14 a C classmethod_descriptor
+            function.apply = classmethod(_apply)
+        recorders = _recorders.setdefault(thread, [])
+        inner = recorders[-1] if recorders else _torch_call
+        recorders.append(apply)
     try:
         yield
     finally:
-        function.apply = original
+        with _recorders_lock:
+            recorders.remove(apply)
+            if not recorders:
+                del _recorders[thread]
+            if not _recorders:
+                function.apply = _torch_apply
+                _torch_apply = None
 
 
 def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck | None:
