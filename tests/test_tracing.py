@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import pytest
@@ -811,6 +812,53 @@ def test_hooks_registered_by_another_thread_meanwhile_get_torch_handles():
         other.join()
     assert isinstance(handles[0], RemovableHandle)
     handles[0].remove()
+
+
+@pytest.mark.parametrize("gil", [True, False])
+def test_shared_hook_registration_hooks_every_node_and_keeps_the_users_own_dicts(monkeypatch, gil):
+    """Nodes without hooks get the shared dict; a node with a hook dict of the user's (which ends the fast
+    run of C calls) gets the hook in its own dict, and so does every node after it. Torch's callback is
+    as it was afterwards. Without the GIL (free-threaded Python) every node goes through _register_hook."""
+    from torch.autograd.function import _HookMixin
+
+    from tracer_cli import tracing
+    from tracer_cli.tracing import _node_hooks, _register_shared, _SharedHooks
+
+    class Counting(dict):  # counts the calls of _register_hook, the per-node Python callback
+        lookups = 0
+
+        def get(self, *args):
+            Counting.lookups += 1
+            return super().get(*args)
+
+    monkeypatch.setattr(tracing, "_fast_hook_keys", Counting())
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: gil, raising=False)
+    x = torch.ones(3, requires_grad=True)
+    nodes, y = [], x
+    for _ in range(40):
+        y = y.sin()
+        nodes.append(y.grad_fn)
+    user_calls = []
+    for position in (10, 30):
+        nodes[position].register_hook(lambda grad_inputs, grad_outputs, p=position: user_calls.append(p))
+    ran = []
+    shared = lambda grad_inputs, grad_outputs: ran.append(torch._C._current_autograd_node())
+    shared_hooks, key = _SharedHooks(), object()
+    dict.__setitem__(shared_hooks, key, shared)  # as the session puts it there
+    before = _HookMixin.__dict__["_register_hook"]
+    with _node_hooks(key, shared, shared_hooks):
+        inside = _HookMixin.__dict__["_register_hook"]
+        handles = _register_shared(nodes, shared, shared_hooks)
+        assert _HookMixin.__dict__["_register_hook"] is inside
+    assert _HookMixin.__dict__["_register_hook"] is before
+    own = [position for position, handle in enumerate(handles) if handle is not shared_hooks]
+    assert own == [10, 30]
+    # with the GIL, the nodes before the first with a dict of its own are hooked without a Python call
+    assert Counting.lookups == (30 if gil else 40)
+    assert all(key in handles[position] and len(handles[position]) == 2 for position in own)
+    y.sum().backward()
+    assert sorted(map(id, ran)) == sorted(map(id, nodes))  # each node's hook ran once
+    assert sorted(user_calls) == [10, 30]
 
 
 @given(
