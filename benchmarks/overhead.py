@@ -4,6 +4,8 @@
                                                   # (hf-gpt2 where transformers is installed,
                                                   # tv-resnet18 where torchvision is)
     python benchmarks/overhead.py tiny-ops --rounds 15
+    python benchmarks/overhead.py resnet18 hf-bert hf-gpt2-base --rounds 7
+                                                  # larger models, run only when named
     python benchmarks/overhead.py --memory        # also peak memory, one subprocess per method
 
 For each workload, every method runs once per round, in turn (interleaved, so that a busy machine
@@ -36,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import WORKLOADS, big_activations  # noqa: E402
+from workloads import DEFAULT, WORKLOADS, big_activations  # noqa: E402
 
 from tracer_cli import trace  # noqa: E402
 
@@ -160,12 +162,17 @@ def peak_memory(method: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workloads", nargs="*", default=list(WORKLOADS), help=f"any of {', '.join(WORKLOADS)}")
+    parser.add_argument(
+        "workloads", nargs="*", default=DEFAULT, help=f"any of {', '.join(WORKLOADS)} (default: {', '.join(DEFAULT)})"
+    )
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (subprocesses)")
     parser.add_argument("--json", help="write the results to this file")
     options = parser.parse_args()
+    unknown = [name for name in options.workloads if name not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload {', '.join(unknown)}: choose from {', '.join(WORKLOADS)}")
     if options.threads:
         torch.set_num_threads(options.threads)
     print(f"# {platform.machine()} · {os.cpu_count()} cores · torch {torch.__version__} · "

@@ -89,9 +89,13 @@ class _ResidualBlock(nn.Module):
 class ResNetStyle(nn.Module):
     """A ResNet-18-like CNN for 32x32 images (narrower): stem, 4 stages of 2 blocks, a classifier."""
 
-    def __init__(self, width: int = 16, classes: int = 10):
+    def __init__(self, width: int = 16, classes: int = 10, imagenet_stem: bool = False):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        if imagenet_stem:  # torchvision's: a 7x7 convolution with stride 2, then a max pool
+            conv, pool = nn.Conv2d(3, width, 7, 2, 3, bias=False), [nn.MaxPool2d(3, 2, 1)]
+        else:
+            conv, pool = nn.Conv2d(3, width, 3, 1, 1, bias=False), []
+        self.stem = nn.Sequential(conv, nn.BatchNorm2d(width), nn.ReLU(), *pool)
         stages, cin = [], width
         for i, stride in enumerate((1, 2, 2, 2)):
             cout = width * 2**i
@@ -107,6 +111,14 @@ class ResNetStyle(nn.Module):
 def resnet_style() -> Workload:
     """ResNet-style CNN with BatchNorm: batch 32, 32x32 images."""
     model = ResNetStyle()
+    labels = torch.randint(0, 10, (32,))
+    return model, (torch.randn(32, 3, 32, 32),), lambda logits: F.cross_entropy(logits, labels)
+
+
+def resnet18() -> Workload:
+    """ResNet-18 as torchvision builds it (widths 64 to 512, its stem; torchvision not needed): batch 32,
+    32x32 images."""
+    model = ResNetStyle(width=64, imagenet_stem=True)
     labels = torch.randint(0, 10, (32,))
     return model, (torch.randn(32, 3, 32, 32),), lambda logits: F.cross_entropy(logits, labels)
 
@@ -194,7 +206,7 @@ def chain(nodes: int) -> Workload:
 
 
 class _HFCausalLM(nn.Module):
-    """A Hugging Face causal LM called on ``ids`` as its own labels; returns the loss."""
+    """A Hugging Face language model called on ``ids`` as its own labels; returns the loss."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -213,6 +225,29 @@ def hf_gpt2() -> Workload:
     config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=5000, n_positions=128, bos_token_id=0, eos_token_id=0)
     model = _HFCausalLM(GPT2LMHeadModel(config).train())
     return model, (torch.randint(0, 5000, (4, 128)),), lambda loss: loss
+
+
+def hf_gpt2_base() -> Workload:
+    """Hugging Face GPT-2 with its default config (12 layers, width 768, vocabulary 50,257; random
+    weights): sequence 128, batch 2."""
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    model = _HFCausalLM(GPT2LMHeadModel(GPT2Config(n_positions=128)).train())
+    return model, (torch.randint(0, 50257, (2, 128)),), lambda loss: loss
+
+
+def hf_bert() -> Workload:
+    """Hugging Face BERT for masked LM from a config (random weights): 4 layers, width 256, sequence 128,
+    batch 4, the inputs as their own labels."""
+    import transformers
+    from transformers import BertConfig, BertForMaskedLM
+
+    transformers.logging.set_verbosity_error()
+    config = BertConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024)
+    model = _HFCausalLM(BertForMaskedLM(config).train())  # called the same way: labels=ids, returns .loss
+    return model, (torch.randint(0, config.vocab_size, (4, 128)),), lambda loss: loss
 
 
 def tv_resnet18() -> Workload:
@@ -237,3 +272,8 @@ if importlib.util.find_spec("transformers") is not None:  # not a gradtrace depe
     WORKLOADS["hf-gpt2"] = hf_gpt2
 if importlib.util.find_spec("torchvision") is not None:
     WORKLOADS["tv-resnet18"] = tv_resnet18
+DEFAULT = list(WORKLOADS)  # what overhead.py runs unless told; the larger models below only when named
+WORKLOADS["resnet18"] = resnet18
+if importlib.util.find_spec("transformers") is not None:
+    WORKLOADS["hf-gpt2-base"] = hf_gpt2_base
+    WORKLOADS["hf-bert"] = hf_bert
