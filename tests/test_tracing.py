@@ -814,6 +814,49 @@ def test_hooks_registered_by_another_thread_meanwhile_get_torch_handles():
     handles[0].remove()
 
 
+def test_a_thread_registering_hooks_while_traces_hook_their_graphs_gets_torch_handles_that_run():
+    """While a trace hooks its graph (torch's registration callback replaced for one run of C calls), another
+    thread that registers hooks of its own gets torch's handles, and its hooks run: the thread switch
+    interval is made tiny, so a replacement that let other threads run meanwhile would show here."""
+    import threading
+
+    from torch.utils.hooks import RemovableHandle
+
+    def model(x):
+        for _ in range(2000):
+            x = x.sin()
+        return x.sum()
+
+    stop, wrong, registered = threading.Event(), [], [0]
+
+    def register_meanwhile():
+        while not stop.is_set():
+            y = torch.ones(2, requires_grad=True) * 2.0
+            calls = []
+            handle = y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: calls.append(1))
+            if not isinstance(handle, RemovableHandle):
+                wrong.append(f"handle {type(handle).__name__}")
+            y.sum().backward()
+            if calls != [1]:
+                wrong.append(f"the hook ran {len(calls)} times")
+            handle.remove()
+            registered[0] += 1
+
+    interval = sys.getswitchinterval()
+    other = threading.Thread(target=register_meanwhile)
+    sys.setswitchinterval(1e-6)
+    other.start()
+    try:
+        for _ in range(10):
+            result = trace(model, torch.linspace(-1.0, 1.0, 8))
+            assert sum(n.name == "SinBackward0" and n.order is not None for n in result.nodes) == 2000
+    finally:
+        stop.set()
+        other.join()
+        sys.setswitchinterval(interval)
+    assert registered[0] > 0 and wrong == []
+
+
 @pytest.mark.parametrize("gil", [True, False])
 def test_shared_hook_registration_hooks_every_node_and_keeps_the_users_own_dicts(monkeypatch, gil):
     """Nodes without hooks get the shared dict; a node with a hook dict of the user's (which ends the fast
