@@ -833,7 +833,7 @@ def test_a_thread_registering_hooks_while_traces_hook_their_graphs_gets_torch_ha
         while not stop.is_set():
             y = torch.ones(2, requires_grad=True) * 2.0
             calls = []
-            handle = y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: calls.append(1))
+            handle = y.grad_fn.register_hook(lambda grad_inputs, grad_outputs, calls=calls: calls.append(1))
             if not isinstance(handle, RemovableHandle):
                 wrong.append(f"handle {type(handle).__name__}")
             y.sum().backward()
