@@ -18,7 +18,8 @@ How it works (see AUTOGRAD_FACTS.md for the measurements behind each choice):
   gradients wait, and their norms are taken in batches, one stack and one norm
   per shape and dtype, before a custom Function's backward runs (Python that
   might change them in place) and at the end. All values are read back in one
-  transfer per device at the end, so there is no host sync per node.
+  transfer per device at the end, so there is no host sync per node (a CPU
+  tensor's norm taken alone is read at once: no device to wait for).
 * Nodes created during backward. Only Python code can create nodes while backward
   runs: a custom Function's backward (reentrant checkpointing recomputes its
   forward there). While such a node runs, a TorchFunctionMode hooks the nodes its
@@ -765,7 +766,8 @@ class _Stats:
     """Statistics of tensors as numbered slots: shape, dtype and a norm computed on the tensor's device.
 
     Norms (and any other value queued with :meth:`value`) stay on their devices until :meth:`read`,
-    which reads them back in one transfer per device. :meth:`now` takes one tensor's norm at once;
+    which reads them back in one transfer per device; a plain CPU tensor's norm taken alone is read at
+    once (no device to wait for). :meth:`now` takes one tensor's norm at once;
     :meth:`batch` takes the norms of many small tensors with one op per shape and dtype.
     """
 
@@ -790,6 +792,7 @@ class _Stats:
         self.positions: list[int] = []  # where each slot's norm lies in the read-back values; NO_VALUE: none
         self.layouts: dict[int, str] = {}  # slot -> layout, for the few that are not strided
         self._chunks: list[tuple[Any, int]] = []  # (0-d or 1-d tensor of values, position of its first)
+        self._read: list[tuple[int, float]] = []  # (position, value) of values read already (on the CPU)
         self._size = 0
 
     def value(self, tensor: Any) -> int:
@@ -886,25 +889,37 @@ class _Stats:
         return self._float64 if dtype in self._double else self._float32
 
     def _norm(self, tensor: Any) -> int:
-        """Queue the norm of one tensor, written into a preallocated buffer: a small tensor allocated per
-        norm and kept to the end would sit between the large blocks backward frees and allocates again
-        (measured: twice the page faults of a plain backward on a CNN, and 20% of its time)."""
-        key = (tensor.device, self._result_dtype(tensor.dtype))
+        """Queue the norm of one tensor; its position.
+
+        A plain tensor on the CPU has its norm read at once (a float; the 0-d result is freed at once, and
+        is read anyway to check its range: :meth:`_out_of_range`, inlined, as this runs for every large
+        gradient). Elsewhere the norm is written into a preallocated buffer, read at the end: a small
+        tensor allocated per norm and kept to the end would sit between the large blocks backward frees
+        and allocates again (measured: twice the page faults of a plain backward on a CNN, and 20% of its
+        time)."""
+        device = tensor.device
+        if type(tensor) is self._plain and self._reads_at_once(device):
+            norm, squared = self._norm_tensor(tensor)  # a fresh result: faster than out= (a view, then a write)
+            if norm is None:
+                return NO_VALUE
+            value = norm.item()
+            tiny = self._tiny[self._result_dtype(tensor.dtype)]
+            if (value < tiny[0 if squared else 1] or value == math.inf) and tensor.numel():
+                return self.value(self._scaled_norm(tensor))
+            position = self._size
+            self._size += 1
+            self._read.append((position, math.sqrt(value) if squared else value))
+            return position
+        key = (device, self._result_dtype(tensor.dtype))
         buffer = self._buffers.get(key)
         if buffer is None or buffer[2] == OUT_CHUNK:
             values = self._torch.empty(OUT_CHUNK, dtype=key[1], device=key[0])
-            tiny = self._tiny.get(key[1]) if self._reads_at_once(key[0]) else None
-            buffer = self._buffers[key] = [values, self.value(values), 0, tiny]
-        values, first, used, tiny = buffer
+            buffer = self._buffers[key] = [values, self.value(values), 0]
+        values, first, used = buffer
         norm, squared = self._norm_tensor(tensor, out=values[used])
         if norm is None:
             return NO_VALUE
         buffer[2] = used + 1
-        # _out_of_range(), inlined: this runs for every large gradient
-        if tiny is not None and type(tensor) is self._plain:
-            value = norm.item()
-            if (value < tiny[0 if squared else 1] or value == math.inf) and tensor.numel():
-                return self.value(self._scaled_norm(tensor))
         if squared:
             self._squared.append(first + used)
         return first + used
@@ -1065,6 +1080,8 @@ class _Stats:
         for position in self._squared:
             if values[position] is not None:
                 values[position] = math.sqrt(values[position])
+        for position, value in self._read:
+            values[position] = value
         return values
 
     def records(self, values: list[float | None]) -> list[GradStat | None]:
