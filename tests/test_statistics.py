@@ -42,6 +42,32 @@ def test_batched_norms_match_norms_taken_in_the_hook():
     assert {"float32", "float64", "bfloat16"} <= dtypes
 
 
+def _layouts():
+    i = torch.tensor([[0, 1, 2], [1, 0, 2]])
+    coo = torch.sparse_coo_tensor(i, torch.tensor([1.0, -2.0, 3.0]), (3, 3))
+    cases = {"sparse_coo": [coo, coo * 2.0], "sparse_csr": [coo.to_sparse_csr(), (coo * 3.0).to_sparse_csr()]}
+    if hasattr(torch, "jagged"):
+        parts = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, -4.0, 5.0])]
+        jagged = torch.nested.nested_tensor(parts, layout=torch.jagged)
+        cases["jagged"] = [jagged, torch.nested.nested_tensor([p * 2.0 for p in parts], layout=torch.jagged)]
+    return cases
+
+
+@pytest.mark.filterwarnings("ignore:Sparse:UserWarning")  # torch's notes on sparse invariants and CSR's beta state
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"] + (["jagged"] if hasattr(torch, "jagged") else []))
+def test_a_batch_of_tensors_of_another_layout_is_normed_one_by_one(layout):
+    """Small gradients of one shape and dtype but not strided (a sparse embedding's, a jagged tensor's) are not
+    stacked as one: each gets its own norm (of its stored values) and its layout."""
+    tensors = _layouts()[layout]
+    expected = [float(t.to_dense().norm()) if t.is_sparse or t.layout == torch.sparse_csr else float(t.values().norm()) for t in tensors]
+    stats = tracing._Stats()
+    slots = stats.batch(tensors)
+    records = stats.records(stats.read())
+    got = [records[slots[id(t)]] for t in tensors]
+    assert [r.norm for r in got] == pytest.approx(expected, rel=1e-6)
+    assert [r.layout for r in got] == [layout] * len(tensors)
+
+
 def test_flushing_midway_changes_nothing(monkeypatch):
     """With room for only two pending hook calls, norms are taken in many batches during backward;
     with a tiny size limit, most are taken at once."""

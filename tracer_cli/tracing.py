@@ -967,7 +967,11 @@ class _Stats:
         try:
             # contiguous tensors apart: one strided member (an expanded gradient) makes a whole stack slow
             keys = list(zip(shapes, dtypes, map(self._torch.Tensor.is_contiguous, distinct), map(_LAYOUT, distinct)))
-        except Exception:  # a tensor subclass without a layout or strides: one by one
+        except Exception:  # no strides (a sparse CSR tensor) or no layout (a tensor subclass): one by one
+            for index, tensor in enumerate(distinct):
+                layout = getattr(tensor, "layout", self._strided)
+                if layout is not self._strided:
+                    self.layouts[base + index] = str(layout).removeprefix("torch.")
             self.positions += map(self._norm, distinct)
             return slots
         first_with_key: dict[tuple, int] = {}
@@ -1003,12 +1007,13 @@ class _Stats:
         torch = self._torch
         dtype = dtypes[0]
         try:
+            # (a sparse tensor is not contiguous, or has no is_contiguous; an MKL-DNN one does not stack)
             if dtypes.count(dtype) != len(dtypes) or not all(map(torch.Tensor.is_contiguous, tensors)):
-                return False
-            if not all(map(operator.is_, map(_LAYOUT, tensors), itertools.repeat(self._strided))):
                 return False
             stacked = torch.stack(tensors)  # raises unless every shape is the same
         except Exception:
+            return False
+        if stacked.layout is not self._strided:  # any other layout that stacks: the groups' way, one by one
             return False
         self.positions += self._stacked_norms(stacked, dtype)
         self.shapes += itertools.repeat(tensors[0].shape, len(tensors))
