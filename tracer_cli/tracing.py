@@ -928,9 +928,13 @@ class _Stats:
         slot = len(self.shapes)
         self.shapes.append(tensor.shape)
         self.dtypes.append(tensor.dtype)
-        if tensor.layout is not self._strided:
-            self.layouts[slot] = str(tensor.layout).removeprefix("torch.")
+        self._note_layout(slot, tensor.layout)
         return slot
+
+    def _note_layout(self, slot: int, layout: Any) -> None:
+        """A slot's layout, where it is not strided (``"sparse_coo"``, ``"sparse_csr"``, ...)."""
+        if layout is not self._strided:
+            self.layouts[slot] = str(layout).removeprefix("torch.")
 
     def now(self, tensor: Any) -> int:
         """A new slot for ``tensor``, its norm queued at once."""
@@ -969,9 +973,7 @@ class _Stats:
             keys = list(zip(shapes, dtypes, map(self._torch.Tensor.is_contiguous, distinct), map(_LAYOUT, distinct)))
         except Exception:  # no strides (a sparse CSR tensor) or no layout (a tensor subclass): one by one
             for index, tensor in enumerate(distinct):
-                layout = getattr(tensor, "layout", self._strided)
-                if layout is not self._strided:
-                    self.layouts[base + index] = str(layout).removeprefix("torch.")
+                self._note_layout(base + index, getattr(tensor, "layout", self._strided))
             self.positions += map(self._norm, distinct)
             return slots
         first_with_key: dict[tuple, int] = {}
@@ -984,7 +986,7 @@ class _Stats:
             _, dtype, _, layout = keys[group]
             if layout is not self._strided:
                 for index in members:
-                    self.layouts[base + index] = str(layout).removeprefix("torch.")
+                    self._note_layout(base + index, layout)
             if layout is not self._strided or len(members) == 1:
                 in_order += map(self._norm, map(distinct.__getitem__, members))
                 continue
