@@ -107,7 +107,8 @@ def _counts(folder: Path) -> dict[tuple[str, str, str], int]:
     """The instructions of every dump, summed by its label."""
     totals: dict[tuple[str, str, str], int] = collections.Counter()
     for path in folder.iterdir():
-        head = path.read_text(errors="replace")[:4096]
+        with path.open(errors="replace") as dump:
+            head = dump.read(4096)  # the label and the total; the rest is per function
         label = re.search(r"Client Request: (\S+)\|(\S+)\|(\S+)", head)
         count = re.search(r"^(?:summary|totals): (\d+)", head, re.MULTILINE)
         if label and count:
