@@ -54,7 +54,7 @@ def _layouts():
 
 
 @pytest.mark.filterwarnings("ignore:Sparse:UserWarning")  # torch's notes on sparse invariants and CSR's beta state
-@pytest.mark.parametrize("layout", list(_layouts()))
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"] + (["jagged"] if hasattr(torch, "jagged") else []))
 def test_a_batch_of_tensors_of_another_layout_is_normed_one_by_one(layout):
     """Small gradients of one shape and dtype but not strided (a sparse embedding's, a jagged tensor's) are not
     stacked as one: each gets its own norm (of its stored values) and its layout."""
