@@ -1121,6 +1121,7 @@ class _WithScriptedBody(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:.*torch.jit.script.* is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script.* is deprecated:FutureWarning")  # torch 2.14 on
 @pytest.mark.parametrize("scripted_root", [False, True])
 def test_torchscript_modules_are_traced_without_hooks(scripted_root):
     """TorchScript modules take no hooks: their nodes belong to the nearest eager module above (the root's
