@@ -922,6 +922,26 @@ def test_interval_lookup_agrees_with_a_binary_search(starts, seqs):
     assert _intervals_at(starts, values, seqs) == expected
 
 
+
+@given(st.lists(st.integers(0, 5), max_size=40))
+@settings(max_examples=300, deadline=None)
+def test_cutting_statistics_into_calls_agrees_with_slicing(counts):
+    """Each call's sent and received statistics are cut from one flat sequence by their counts (0 for a
+    node that sends nothing): the same tuples as slicing it; too few or too many items is an error."""
+    import itertools
+
+    from tracer_cli.errors import InternalError
+    from tracer_cli.tracing import _cut
+
+    items = [f"stat {i}" for i in range(sum(counts))]
+    ends = list(itertools.accumulate(counts))
+    assert _cut(items, counts) == [tuple(items[start:end]) for start, end in zip([0, *ends], ends)]
+    if items:
+        with pytest.raises(InternalError):
+            _cut(items[:-1], counts)
+    with pytest.raises(InternalError):
+        _cut([*items, "extra"], counts)
+
 def test_hooks_of_both_kinds_are_removed():
     """Hooks registered under _node_hooks (the handle is the node's hook dict) and torch's RemovableHandles."""
     from tracer_cli.tracing import _node_hooks, _remove_hooks
