@@ -535,6 +535,8 @@ def _library_prefixes() -> tuple[str, ...]:
 
 
 QUIET_AFTER = 2  # calls of a function that made no node, after which its lines are not traced
+LINE_BITS = 32  # a site recorded as an int: its file's number above these bits, its line in them
+LINE_MASK = (1 << LINE_BITS) - 1
 
 
 def _user_frame(frame: Any, skip: tuple[str, ...]) -> Any:
@@ -559,6 +561,9 @@ class _SiteRecorder:
     torch and gradtrace; an op that makes nodes gets an interval ``[first, next)``); a node's site is
     the last mark at or before its ``_sequence_nr()``. Nodes made inside an op (``TBackward0`` of
     ``F.linear``) share the op's site.
+
+    A site is ``(path, line)``, or, from a line event, that pair as one int (:meth:`site`): the file's
+    number shifted left by LINE_BITS, plus the line (a tuple per line event was about a quarter of its cost).
     """
 
     def __init__(self, stacks: bool = False) -> None:
@@ -570,6 +575,13 @@ class _SiteRecorder:
         self._sorted = False
         self.starts: list[int] = []
         self.sites: list[Any] = []
+        self.files: list[str] = []  # the paths of sites recorded as ints, by number
+
+    def site(self, recorded: Any) -> Any:
+        """A recorded site as ``(path, line)`` (or as it is: None, a stack)."""
+        if type(recorded) is int:
+            return (self.files[recorded >> LINE_BITS], recorded & LINE_MASK)
+        return recorded
 
     def user_site(self, depth: int = 2) -> Any:
         """The innermost user frame as ``(path, line)``; with ``stacks``, every user frame (innermost first)
@@ -608,42 +620,69 @@ class _SiteRecorder:
         that checks shapes) is not traced line by line again: skipping such a call leaves the same table.
         Should a later call of it make nodes, they get the line that called it.
         """
-        skip, next_sequence_nr, mark = self.skip, self.next_sequence_nr, self._mark
-        starts, sites = self.starts, self.sites  # extended in place while forward runs
+        skip, next_sequence_nr = self.skip, self.next_sequence_nr
+        starts, sites, files = self.starts, self.sites, self.files  # extended in place while forward runs
         user_code: dict[Any, bool] = {}
         idle_calls: dict[Any, int] = {}  # user code -> its calls so far, all without a node; -1: one made nodes
         entered: dict[Any, int] = {}  # a traced frame -> the sequence number when it was entered
+        tracers: dict[Any, Callable] = {}  # user code -> the trace function of its frames (one per file)
+        bases: dict[Any, int] = {}  # and its file's number, shifted: a site is base + line
+        by_file: dict[str, tuple[Callable, int]] = {}
 
         def is_user(code: Any) -> bool:
             user = user_code[code] = not code.co_filename.startswith(skip)
             return user
 
-        def local(frame: Any, event: str, arg: Any) -> Any:
-            if event == "line":  # mark(), inlined: once per line the user's code runs
-                seq, site = next_sequence_nr(), (frame.f_code.co_filename, frame.f_lineno)
-                if starts and starts[-1] == seq:
-                    sites[-1] = site
-                else:
-                    starts.append(seq)
-                    sites.append(site)
-            elif event == "return":
-                seq = next_sequence_nr()
-                first = entered.pop(frame, None)
-                if first is not None:  # a call of a function not yet seen to make a node is counted
-                    code = frame.f_code
-                    if first != seq:
-                        idle_calls[code] = -1
+        def tracer(code: Any) -> Callable:
+            """The trace function of a user code object's frames: that of its file, made at the file's first call."""
+            path = code.co_filename
+            if path not in by_file:
+                files.append(path)
+                base = (len(files) - 1) << LINE_BITS
+                by_file[path] = (tracer_of_file(base), base)
+            tracers[code], bases[code] = by_file[path]
+            return tracers[code]
+
+        def tracer_of_file(base: int) -> Callable:
+            # it returns None: the frame keeps it as its trace function (and it holds no reference to itself)
+            def local(frame: Any, event: str, arg: Any) -> None:
+                if event == "line":  # mark(), inlined: once per line the user's code runs
+                    seq, site = next_sequence_nr(), base + frame.f_lineno
+                    if starts and starts[-1] == seq:
+                        sites[-1] = site
                     else:
-                        calls = idle_calls.get(code, 0)
-                        if calls >= 0:
-                            idle_calls[code] = calls + 1
-                caller = frame.f_back  # the innermost user frame above (torch's module call frames between)
-                while caller is not None:
-                    user = user_code.get(caller.f_code)
-                    if user or (user is None and is_user(caller.f_code)):
-                        break
-                    caller = None if caller.f_code is _TRACE_CODE else caller.f_back  # not above trace()
-                mark(seq, None if caller is None else (caller.f_code.co_filename, caller.f_lineno))
+                        starts.append(seq)
+                        sites.append(site)
+                elif event == "return":
+                    seq = next_sequence_nr()
+                    first = entered.pop(frame, None)
+                    if first is not None:  # a call of a function not yet seen to make a node is counted
+                        code = frame.f_code
+                        if first != seq:
+                            idle_calls[code] = -1
+                        else:
+                            calls = idle_calls.get(code, 0)
+                            if calls >= 0:
+                                idle_calls[code] = calls + 1
+                    site = None  # the line the innermost user frame above goes on with (torch's module call frames
+                    caller = frame.f_back  # between are skipped; none above trace())
+                    while caller is not None:
+                        code = caller.f_code
+                        caller_base = bases.get(code)
+                        if caller_base is not None:  # a traced frame (the usual case)
+                            site = caller_base + caller.f_lineno
+                            break
+                        user = user_code.get(code)
+                        if user or (user is None and is_user(code)):
+                            site = (code.co_filename, caller.f_lineno)
+                            break
+                        caller = None if code is _TRACE_CODE else caller.f_back
+                    if starts and starts[-1] == seq:  # mark(), inlined
+                        sites[-1] = site
+                    else:
+                        starts.append(seq)
+                        sites.append(site)
+
             return local
 
         def on_call(frame: Any, event: str, arg: Any) -> Any:  # every call in this thread: is_user() inlined
@@ -654,22 +693,21 @@ class _SiteRecorder:
             if not user:
                 return None
             calls = idle_calls.get(code, 0)
-            if calls < 0:  # it made nodes: no longer counted
-                return local
             if calls >= QUIET_AFTER:
                 return None
-            entered[frame] = next_sequence_nr()
-            return local
+            if calls >= 0:  # not yet seen to make nodes: counted
+                entered[frame] = next_sequence_nr()
+            return tracers.get(code) or tracer(code)
 
         sys.settrace(on_call)
         try:
             yield
         finally:
             sys.settrace(None)
-            entered.clear()  # frames still running now (the caller's): each would hold `local`, and it them
-            # `local` returns itself, and holds this recorder (mark): with the cycle broken, the recorder and its
-            # table are freed as soon as the trace drops them, not by a collection walking every object since
-            local = on_call = None  # type: ignore[assignment]
+            entered.clear()  # frames still running now (the caller's)
+            tracers.clear()
+            bases.clear()
+            by_file.clear()
 
     def table(self) -> tuple[list[int], list[Any]]:
         """The interval starts, sorted, and the site of each (a Function applied inside an op is recorded
@@ -1610,7 +1648,8 @@ class _TraceSession:
             if self.sites.stacks:
                 stacks = [None if s is None else tuple(f"{_format_site(f[:2])} in {f[2]}" for f in s) for s in sites]
                 sites = [None if s is None else s[0][:2] for s in sites]
-            formatted = {site: _format_site(site) for site in set(sites)}
+            as_pair = self.sites.site
+            formatted = {site: _format_site(as_pair(site)) for site in set(sites)}
             sources = list(map(formatted.__getitem__, sites))
         params: list[str | None] = [None] * len(kept)
         for position in leaves:
