@@ -126,7 +126,8 @@ class _Vanishing(torch.nn.Module):
         return (x * self.weight).sum() * 1e-24 + (x * self.zero * 0).sum()
 
 
-@pytest.mark.parametrize("size", [8, 1 << 16], ids=["batched", "at-once"])
+# batched: a stack small enough to be normed in float64; a larger stack (float32 norms, their range checked); at once
+@pytest.mark.parametrize("size", [8, 1 << 14, 1 << 16], ids=["batched", "batched-large", "at-once"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiny_gradients_are_not_read_as_zero(size, dtype):
     """Vanishing gradients keep their norms (against float64 norms of a plain backward's ``.grad``);
@@ -147,7 +148,8 @@ def test_tiny_gradients_are_not_read_as_zero(size, dtype):
     assert zero == ["zero"]
 
 
-@pytest.mark.parametrize("size", [8, 1 << 16], ids=["batched", "at-once"])
+# batched: a stack small enough to be normed in float64; a larger stack (float32 norms, their range checked); at once
+@pytest.mark.parametrize("size", [8, 1 << 14, 1 << 16], ids=["batched", "batched-large", "at-once"])
 @pytest.mark.parametrize(
     "dtype, scale",
     [(torch.float32, 1e20), (torch.bfloat16, 1e34), (torch.float64, 1e200), (torch.float64, 1e-170)],

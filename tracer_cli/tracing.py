@@ -786,6 +786,11 @@ SMALL_NUMEL = 1 << 14
 PENDING_NUMEL = 1 << 22
 PENDING_CALLS = 1 << 8
 OUT_CHUNK = 1024  # norms taken one at a time are written into buffers of this many values
+# A stack of float32, bf16 or fp16 gradients up to this many elements is normed in float64, whose sums of their
+# squares neither underflow nor overflow: no range check to follow (on the CPU, 256 rows of 8: 3.6 us against
+# 12.7 for a float32 norm and its check; float64 is the slower from about 256 rows of 128, and far slower for
+# large rows: 256 of 16k, 7.6 ms against 0.3)
+DIRECT_WIDE_NUMEL = 1 << 15
 NO_VALUE = -1  # the position of a norm that could not be taken
 # A float32 sum of squares below TINY_SQUARE (a norm below TINY_NORM) may have lost elements whose squares
 # underflow (below about 1e-19 each); above it, what is lost is within float32 rounding. The same for
@@ -1062,7 +1067,9 @@ class _Stats:
     def _stacked_norms(self, stacked: Any, dtype: Any) -> range:
         """Queue the norm of each of the stacked tensors (one op); their positions."""
         rows = stacked.reshape(len(stacked), math.prod(stacked.shape[1:]))  # (-1 fails on empty tensors)
-        if dtype in self._wide:
+        if dtype in self._narrow and rows.numel() <= DIRECT_WIDE_NUMEL:
+            norms = self._vector_norm(rows, dim=1, dtype=self._float64)  # holds their squares: no range to check
+        elif dtype in self._wide:
             norms = self._vector_norm(rows, dim=1)
         else:
             norms = self._vector_norm(rows, dim=1, dtype=self._float32)
