@@ -579,6 +579,63 @@ def test_line_events_leave_no_trace_function_behind():
     assert all(n.source for n in result.nodes if not n.is_leaf)
 
 
+class _TwoLineLinear(nn.Linear):
+    """A subclass of the user's: its lines are the user's, although nn.Linear's forward is torch's."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y * 2.0  # MulBackward0: this line
+
+
+class _Opaque(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.norm = nn.LayerNorm(3)
+        self.mine = _TwoLineLinear(3, 3)
+
+    def forward(self, x):
+        h = self.norm(self.linear(x))
+        return self.mine(h).sum()
+
+
+def test_line_events_are_off_while_a_torch_module_runs_and_sites_stay_the_same():
+    """While one of torch's own leaf modules runs (no user code in it), line events are off (Python 3.11):
+    the frames of its call run off Python's slower tracing path. Its nodes keep the user's line that called it, and a
+    user's subclass of a torch module is traced as the user's code. Sites agree with those from a mode."""
+    import sys
+
+    from torch.nn.modules.module import register_module_forward_hook
+
+    torch.manual_seed(0)
+    model, x = _Opaque(), torch.randn(2, 3)
+    tracing_in: dict[str, bool] = {}
+
+    def seen(module, args, output):  # registered before gradtrace's hooks: runs before its own
+        tracing_in[type(module).__name__] = sys.gettrace() is not None
+
+    handle = register_module_forward_hook(seen)
+    try:
+        by_lines = trace(model, x)
+    finally:
+        handle.remove()
+    off = sys.version_info < (3, 12)  # on later versions, turning sys.settrace off and on costs more than it saves
+    assert tracing_in == {"Linear": not off, "LayerNorm": not off, "_TwoLineLinear": True, "_Opaque": True}
+    assert sys.gettrace() is None
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: None)  # sites from a mode, per op
+    try:
+        by_mode = trace(model, x)
+    finally:
+        sys.settrace(previous)
+    assert [(n.name, n.source) for n in by_lines.nodes] == [(n.name, n.source) for n in by_mode.nodes]
+    first = _Opaque.forward.__code__.co_firstlineno
+    (addmm,) = by_lines.find("AddmmBackward0", module="linear")
+    assert addmm.source.endswith(f"test_tracing.py:{first + 1}")
+    (mul,) = by_lines.find("MulBackward0")
+    assert mul.source.endswith(f"test_tracing.py:{_TwoLineLinear.forward.__code__.co_firstlineno + 2}")
+
+
 class Keeper(nn.Module):
     """Keeps its output, so the graph outlives trace(); a user hook is put on a node while forward runs."""
 

@@ -330,6 +330,8 @@ class _ModuleTracker:
         self.scripted_root = False  # whether the model itself is a TorchScript module (no hooks: see root_call)
         self.bound_seqs: list[int] = []
         self.bound_modules: list[str | None] = []
+        # creation sites' trace function while line events are recorded in this thread (see _opaque_modules)
+        self.line_tracer: Callable | None = None
 
     def _stack(self) -> list[str]:
         stack = getattr(self._local, "stack", None)
@@ -396,16 +398,24 @@ class _ModuleTracker:
 
         names = {id(module): name for name, module in hooked}
         enter, exit_, find = self._enter, self._exit, names.get
+        opaque = _opaque_modules(hooked) if sys.version_info < (3, 12) else set()
+        settrace, get_ident = sys.settrace, threading.get_ident
 
         def pre(module: Any, args: Any) -> None:
-            name = find(id(module))
+            key = id(module)
+            name = find(key)
             if name is not None:
                 enter(name, module, args)
+                if key in opaque and self.line_tracer is not None and get_ident() == self._record_thread:
+                    settrace(None)
 
         def post(module: Any, args: Any, output: Any) -> None:
-            name = find(id(module))
+            key = id(module)
+            name = find(key)
             if name is not None:
                 exit_(name, module, args, output)
+                if key in opaque and self.line_tracer is not None and get_ident() == self._record_thread:
+                    settrace(self.line_tracer)
 
         self._handles.append(register_module_forward_pre_hook(pre))
         self._handles.append(register_module_forward_hook(post, always_call=True))
@@ -483,6 +493,28 @@ class _ModuleTracker:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _opaque_modules(modules: list[tuple[str, Any]]) -> set[int]:
+    """Modules no user code runs in: torch's own classes (not a subclass of the user's), without submodules or
+    a ``forward`` of the instance's own. While one runs, creation sites' line events are turned off: Python
+    then runs its frames (torch's module call, BatchNorm's checks) off its slower tracing path, and their
+    nodes get the user's line that called the module either way (Python 3.11: a traced step's forward on a
+    ResNet-style CNN 21.6 -> 20.7 ms, GPT-2-style 26.9 -> 25.9). Not on 3.12 and later, where ``sys.settrace``
+    runs on ``sys.monitoring`` and turning it off and on has code objects instrumented again (measured
+    slower: 22.2 -> 25.2 ms on that CNN)."""
+    skip = _library_prefixes()
+    library: dict[type, bool] = {}
+    opaque = set()
+    for _, module in modules:
+        cls = type(module)
+        if cls not in library:
+            path = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
+            forward = getattr(getattr(cls, "forward", None), "__code__", None)  # not one the user patched in
+            library[cls] = path.startswith(skip) and forward is not None and forward.co_filename.startswith(skip)
+        if library[cls] and not module._modules and "forward" not in module.__dict__:
+            opaque.add(id(module))
+    return opaque
 
 
 def _compile_disabled() -> bool:
@@ -609,7 +641,7 @@ class _SiteRecorder:
             self.sites.append(site)
 
     @contextlib.contextmanager
-    def tracing_lines(self) -> Iterator[None]:
+    def tracing_lines(self, tracker: _ModuleTracker | None = None) -> Iterator[None]:
         """Record sites from Python's line events in user frames (``sys.settrace``, this thread only).
 
         A line marks the sequence number its ops will take; a user frame returning marks the line its
@@ -619,6 +651,8 @@ class _SiteRecorder:
         A function whose first QUIET_AFTER calls made no node (a config's ``__getattribute__``, a helper
         that checks shapes) is not traced line by line again: skipping such a call leaves the same table.
         Should a later call of it make nodes, they get the line that called it.
+
+        ``tracker`` turns line events off while a module runs that holds no user code (see _opaque_modules).
         """
         skip, next_sequence_nr = self.skip, self.next_sequence_nr
         starts, sites, files = self.starts, self.sites, self.files  # extended in place while forward runs
@@ -700,9 +734,13 @@ class _SiteRecorder:
             return tracers.get(code) or tracer(code)
 
         sys.settrace(on_call)
+        if tracker is not None:
+            tracker.line_tracer = on_call
         try:
             yield
         finally:
+            if tracker is not None:
+                tracker.line_tracer = None
             sys.settrace(None)
             entered.clear()  # frames still running now (the caller's)
             tracers.clear()
@@ -2218,7 +2256,7 @@ def trace(
             if forward_stats or (session.sites is not None and not by_lines):
                 forward_context.enter_context(_forward_mode_class()(session, None if by_lines else session.sites))
             if by_lines:
-                forward_context.enter_context(session.sites.tracing_lines())
+                forward_context.enter_context(session.sites.tracing_lines(tracker))
             if gradcheck or replay or session.sites is not None or forward_stats:
                 from .gradcheck import recording_calls
 
