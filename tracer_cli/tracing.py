@@ -1190,10 +1190,11 @@ class _TraceSession:
     """The mutable state of one trace; turned into a frozen Trace by :meth:`finish`.
 
     Nodes are numbered as discovery finds them (0 is the loss's ``grad_fn``); what is known of
-    each lies in lists indexed by that number. Hooks only log what they see: a row ``(node id,
-    grad_inputs, grad_outputs)`` per call, in execution order. Statistics are slots whose norms are
-    queued at once for large tensors and leaves (such a row is a list of slots) and in batches for
-    small ones (a tuple of tensors until :meth:`flush`, which leaves the node id in its place).
+    each lies in lists indexed by that number. Hooks only log what they see: three items per call, ``node
+    id, grad_inputs, grad_outputs``, in execution order, in one flat list (no tuple per call). Statistics
+    are slots whose norms are queued at once for large tensors and leaves (such a call's gradients are
+    lists of slots) and in batches for small ones (tuples of tensors until :meth:`flush`, which leaves
+    the node id alone in the call's place).
     """
 
     def __init__(self, leaves: dict[int, _Leaf], input_names: dict[int, str], tracker: _ModuleTracker):
@@ -1218,10 +1219,11 @@ class _TraceSession:
         self._shared_hooks = _SharedHooks()
         self.handles.append(self._shared_hooks)
         self.log: list[Any] = []
-        self.flushed = 0  # rows before this one are node ids, their slots in self.slotted
-        # per flush, in call order: how many gradients each call sent and received, and their slots in a row
-        self.slotted: list[tuple[list[int], list[int]]] = []
-        self._logged_now = False  # whether _log_now logged a row since the last flush
+        self.flushed = 0  # items before this one are node ids (a call each), their slots in self.slotted
+        # per flush, in call order: how many gradients each call sent, and received; the slots of all it sent, and
+        # of all it received
+        self.slotted: list[tuple[list[int], list[int], list[int], list[int]]] = []
+        self._logged_now = False  # whether _log_now logged a call since the last flush
         # norms queued one at a time, and flushes: hooks may run in two devices' threads (reentrant, so a hook
         # can never wait on a flush of its own thread)
         self._lock = threading.RLock()
@@ -1370,7 +1372,7 @@ class _TraceSession:
     # --- hooks -------------------------------------------------------------------
     def _make_run_hook(self) -> Callable[[int, tuple, tuple], None]:
         """The hook of an ordinary node (bound to its id by a partial): a closure, as it runs once per node."""
-        session, log = self, self.log
+        session, log = self, self.log.extend
         # what waits is weighed in elements, a call as much as PENDING_CALLS calls fill PENDING_NUMEL
         small, most, per_call = SMALL_NUMEL, PENDING_NUMEL, PENDING_NUMEL // PENDING_CALLS
 
@@ -1396,7 +1398,7 @@ class _TraceSession:
                             session._log_now(node_id, grad_inputs, grad_outputs)
                             return None
                         size += numel
-                log.append((node_id, grad_inputs, grad_outputs))
+                log((node_id, grad_inputs, grad_outputs))  # one C call: a flush never sees part of it
                 waiting += size
                 if waiting > most:
                     waiting = 0
@@ -1434,21 +1436,21 @@ class _TraceSession:
         if self._replaying:
             return None
         try:
-            row = self._log_now(node_id, grad_inputs, grad_outputs)
-            self.received.setdefault(node_id, []).append(row[2])
+            self.received.setdefault(node_id, []).append(self._log_now(node_id, grad_inputs, grad_outputs))
             if self.replay and node_id not in self.replays:
                 self.replays[node_id] = self._replay(node_id, grad_inputs, grad_outputs)
         except Exception:
             self.errors.append(traceback.format_exc())
         return None
 
-    def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> list[Any]:
-        """Log a call with slots whose norms are queued now: ``[node id, grad_inputs slots, grad_outputs slots]``."""
+    def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> list[int]:
+        """Log a call with slots whose norms are queued now (lists: a flush tells them from tuples of tensors);
+        the slots of what it received."""
         with self._lock, self._outside_graph():
-            row = [node_id, tuple(map(self._slot_now, grad_inputs)), tuple(map(self._slot_now, grad_outputs))]
-            self.log.append(row)
+            received = list(map(self._slot_now, grad_outputs))
+            self.log.extend((node_id, list(map(self._slot_now, grad_inputs)), received))
             self._logged_now = True
-        return row
+        return received
 
     def _outside_graph(self) -> contextlib.AbstractContextManager:
         """``no_grad()`` where grad mode is on (backward(create_graph=True) runs hooks in it, and flush() runs
@@ -1492,29 +1494,33 @@ class _TraceSession:
         return None
 
     def flush(self) -> None:
-        """Take the norms of the gradients that wait in the log, in batches. Each row up to the end of the
-        log becomes its node id, its statistics a block of :attr:`slotted`."""
+        """Take the norms of the gradients that wait in the log, in batches. Each call logged since the last
+        flush becomes its node id, its statistics a block of :attr:`slotted`."""
         with self._lock:
-            # rows up to `end`: a hook on another device's thread may append meanwhile, for the next flush
+            # calls up to `end`: a hook on another device's thread may log meanwhile, for the next flush
             start, end = self.flushed, len(self.log)
-            self.flushed = end
             if start == end:
                 return
-            rows = self.log[start:end]
+            logged = self.log[start:end]
             chain = itertools.chain.from_iterable
-            tuples = list(chain(map(_GRADS, rows)))  # sent, received, sent, ...
-            grads = list(chain(tuples))
+            sent, received = logged[1::3], logged[2::3]
+            grads = list(chain(sent))
+            count_sent = len(grads)
+            grads += chain(received)
             ids = list(map(id, grads))
             with self._outside_graph():
-                if self._logged_now:  # some rows hold slots already (lists, from _log_now): only tuples wait
-                    waiting = itertools.compress(rows, map(operator.is_, map(type, rows), itertools.repeat(tuple)))
-                    slots = self.stats.batch(list(chain(chain(map(_GRADS, waiting)))))
+                if self._logged_now:  # some calls' slots are in place already (lists, from _log_now): only tuples wait
+                    groups = sent + received
+                    waiting = itertools.compress(groups, map(operator.is_, map(type, groups), itertools.repeat(tuple)))
+                    slots = self.stats.batch(list(chain(waiting)))
                 else:
                     slots = self.stats.batch(grads, ids)
             self._logged_now = False
             # a slot already in place stays: it is alive, as are the tensors, so its id is none of theirs
-            self.slotted.append((list(map(len, tuples)), list(map(slots.get, ids, grads))))
-            self.log[start:end] = map(_NODE, rows)
+            in_place = list(map(slots.get, ids, grads))
+            self.slotted.append((list(map(len, sent)), list(map(len, received)), in_place[:count_sent], in_place[count_sent:]))
+            self.log[start:end] = logged[0::3]
+            self.flushed = start + len(sent)
 
     def _replay(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
         """Run the node's backward again from the gradients it received; queue the largest difference.
@@ -1665,9 +1671,8 @@ class _TraceSession:
         stat = self.stats.records(values).__getitem__  # slot -1 is None
         repeat, chain = itertools.repeat, itertools.chain.from_iterable
         # per call, the statistics it sent and received; the last item (order -1) for nodes that did not run
-        counts = list(chain(counts for counts, _ in self.slotted))
-        pairs = _cut(map(stat, chain(slots for _, slots in self.slotted)), counts)
-        sent, received = pairs[0::2], pairs[1::2]
+        sent = _cut(map(stat, chain(block[2] for block in self.slotted)), list(chain(block[0] for block in self.slotted)))
+        received = _cut(map(stat, chain(block[3] for block in self.slotted)), list(chain(block[1] for block in self.slotted)))
         sent.append(None)
         received.append(None)
 
@@ -1837,7 +1842,6 @@ class _TraceSession:
         self._run_hook = None  # it holds the session: freed now, not by a later garbage collection
 
 
-_NODE, _GRADS = operator.itemgetter(0), operator.itemgetter(1, 2)  # of a log row
 _CALL = operator.methodcaller("__call__")  # operator.call, also on Python 3.10
 
 # Hook registration on graph nodes. node.register_hook() calls back into Python, torch's
