@@ -405,9 +405,9 @@ class _ModuleTracker:
             key = id(module)
             name = find(key)
             if name is not None:
-                enter(name, module, args)
                 if key in opaque and self.line_tracer is not None and get_ident() == self._record_thread:
-                    settrace(None)
+                    settrace(None)  # first: the calls below are not traced either
+                enter(name, module, args)
 
         def post(module: Any, args: Any, output: Any) -> None:
             key = id(module)
@@ -415,7 +415,7 @@ class _ModuleTracker:
             if name is not None:
                 exit_(name, module, args, output)
                 if key in opaque and self.line_tracer is not None and get_ident() == self._record_thread:
-                    settrace(self.line_tracer)
+                    settrace(self.line_tracer)  # last, for the same reason
 
         self._handles.append(register_module_forward_pre_hook(pre))
         self._handles.append(register_module_forward_hook(post, always_call=True))
