@@ -634,6 +634,11 @@ def test_line_events_are_off_while_a_torch_module_runs_and_sites_stay_the_same()
     assert addmm.source.endswith(f"test_tracing.py:{first + 1}")
     (mul,) = by_lines.find("MulBackward0")
     assert mul.source.endswith(f"test_tracing.py:{_TwoLineLinear.forward.__code__.co_firstlineno + 2}")
+    from tracer_cli.errors import UserCodeError
+
+    with pytest.raises(UserCodeError, match="'linear'"):  # raised inside nn.Linear, while line events are off
+        trace(model, torch.randn(2, 4))
+    assert sys.gettrace() is None
 
 
 class Keeper(nn.Module):
