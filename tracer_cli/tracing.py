@@ -592,7 +592,8 @@ class _SiteRecorder:
     line events (:meth:`tracing_lines`) or by a TorchFunctionMode per op (the innermost frame outside
     torch and gradtrace; an op that makes nodes gets an interval ``[first, next)``); a node's site is
     the last mark at or before its ``_sequence_nr()``. Nodes made inside an op (``TBackward0`` of
-    ``F.linear``) share the op's site.
+    ``F.linear``) share the op's site. A line event's mark replaces the last one where no node was made
+    since (the same sequence number).
 
     A site is ``(path, line)``, or, from a line event, that pair as one int (:meth:`site`): the file's
     number shifted left by LINE_BITS, plus the line (a tuple per line event was about a quarter of its cost).
@@ -631,14 +632,6 @@ class _SiteRecorder:
                 stack.append((code.co_filename, frame.f_lineno, code.co_name))
             frame = frame.f_back
         return tuple(stack)
-
-    def _mark(self, seq: int, site: Any) -> None:
-        """Nodes numbered from ``seq`` on are made at ``site`` (until the next mark)."""
-        if self.starts and self.starts[-1] == seq:  # no node was made since the last mark: replace it
-            self.sites[-1] = site
-        else:
-            self.starts.append(seq)
-            self.sites.append(site)
 
     @contextlib.contextmanager
     def tracing_lines(self, tracker: _ModuleTracker | None = None) -> Iterator[None]:
@@ -680,7 +673,7 @@ class _SiteRecorder:
         def tracer_of_file(base: int) -> Callable:
             # it returns None: the frame keeps it as its trace function (and it holds no reference to itself)
             def local(frame: Any, event: str, arg: Any) -> None:
-                if event == "line":  # mark(), inlined: once per line the user's code runs
+                if event == "line":  # a mark: once per line the user's code runs
                     seq, site = next_sequence_nr(), base + frame.f_lineno
                     if starts and starts[-1] == seq:
                         sites[-1] = site
@@ -711,7 +704,7 @@ class _SiteRecorder:
                             site = (code.co_filename, caller.f_lineno)
                             break
                         caller = None if code is _TRACE_CODE else caller.f_back
-                    if starts and starts[-1] == seq:  # mark(), inlined
+                    if starts and starts[-1] == seq:  # a mark, as for a line
                         sites[-1] = site
                     else:
                         starts.append(seq)
@@ -1232,7 +1225,7 @@ class _TraceSession:
         # very object the next node receives, so its norm is taken once
         self._seen: dict[int, tuple[Any, int, int]] = {}
         self._blocks: dict[tuple, tuple[Any, int, int]] = {}  # the same, per block of memory
-        self.received: dict[int, list[tuple]] = {}  # AccumulateGrad (and --replay) node -> grad_outputs slots, per call
+        self.received: dict[int, list[list[int]]] = {}  # AccumulateGrad (and --replay) node -> grad_outputs slots, per call
         self.errors: list[str] = []
         self.running_custom: list[int] = []
         self.modes: list[Any] = []
