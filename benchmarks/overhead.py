@@ -12,8 +12,12 @@ For each workload, every method runs once per round, in turn (interleaved, so th
 slows all of them alike); the table shows each method's median time and its ratio to the plain
 step's median. Methods:
 
-- plain: ``loss_fn(model(*args)).backward()``;
-- gradtrace: ``tracer_cli.trace()`` with its defaults (attribution, every node hooked, statistics);
+- plain: ``loss_fn(model(*args)).backward()``, the inputs as a user passes them (a model's images do
+  not require grad; a chain of ops without parameters has an input that does);
+- gradtrace: ``tracer_cli.trace()`` with its defaults (attribution, creation sites, every node hooked,
+  statistics, and input gradients: floating inputs require grad, which costs a model a backward through
+  its first layer's input that the plain step skips);
+- no-input-grad: ``trace(..., input_grad=False)``, the same without input gradients (``--no-input-grad``);
 - anomaly: the plain step under ``torch.autograd.detect_anomaly(check_nan=True)``;
 - floor: a minimal hook on every node that keeps one norm per gradient tensor (no attribution,
   no shapes): the least any per-node tracer can do;
@@ -44,8 +48,9 @@ from tracer_cli import trace  # noqa: E402
 
 
 def _inputs(args: tuple) -> tuple:
-    """Fresh leaves, as trace() makes them: floating inputs require grad."""
-    return tuple(a.detach().requires_grad_() if a.is_floating_point() else a for a in args)
+    """Fresh leaves that require grad where the workload's inputs do (a plain step as users run it: a
+    model's images do not, so no input gradient is computed; trace() computes one by default)."""
+    return tuple(a.detach().requires_grad_(a.requires_grad) for a in args)
 
 
 def _clear(model: Any) -> None:
@@ -60,6 +65,10 @@ def plain(model, args, loss_fn) -> None:
 
 def traced(model, args, loss_fn) -> None:
     trace(model, args, loss_fn=loss_fn)
+
+
+def traced_no_input_grad(model, args, loss_fn) -> None:
+    trace(model, args, loss_fn=loss_fn, input_grad=False)
 
 
 def anomaly(model, args, loss_fn) -> None:
@@ -103,7 +112,13 @@ def torchviz_dot(model, args, loss_fn) -> None:
     _clear(model)
 
 
-METHODS: dict[str, Callable[..., None]] = {"plain": plain, "gradtrace": traced, "anomaly": anomaly, "floor": floor}
+METHODS: dict[str, Callable[..., None]] = {
+    "plain": plain,
+    "gradtrace": traced,
+    "no-input-grad": traced_no_input_grad,
+    "anomaly": anomaly,
+    "floor": floor,
+}
 try:
     import torchviz  # noqa: F401
 

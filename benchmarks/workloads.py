@@ -1,6 +1,8 @@
 """The benchmark workloads: each builds a model and its inputs, in plain torch (no extra packages).
 
 Every workload is a function returning ``(model, args, loss_fn)``; ``loss_fn(output)`` gives the scalar.
+The inputs are what a user's plain training step passes: a model's images and token ids do not require
+grad; a chain of ops without parameters gets an input that does (else it has no backward to run).
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def tiny_ops(count: int = 6000) -> Workload:
             x = (x * 1.0001 + 0.001).tanh() if i % 2 else (x * 0.9999 - 0.001).sin()
         return x
 
-    return chain, (torch.randn(8),), lambda out: out.sum()
+    return chain, (torch.randn(8, requires_grad=True),), lambda out: out.sum()
 
 
 def tiny_unary(count: int = 6000) -> Workload:
@@ -142,7 +144,7 @@ def tiny_unary(count: int = 6000) -> Workload:
             x = x.sin()
         return x
 
-    return chain, (torch.randn(8),), lambda out: out.sum()
+    return chain, (torch.randn(8, requires_grad=True),), lambda out: out.sum()
 
 
 def _step(x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +160,7 @@ def tiny_calls(count: int = 6000) -> Workload:
             x = _step(x)
         return x
 
-    return chain, (torch.randn(8),), lambda out: out.sum()
+    return chain, (torch.randn(8, requires_grad=True),), lambda out: out.sum()
 
 
 class _ParamChain(nn.Module):
@@ -202,7 +204,7 @@ def chain(nodes: int) -> Workload:
             x = x * 1.000001
         return x
 
-    return run, (torch.randn(4),), lambda out: out.sum()
+    return run, (torch.randn(4, requires_grad=True),), lambda out: out.sum()
 
 
 class _HFCausalLM(nn.Module):
