@@ -67,22 +67,30 @@ def _measure(library: str, names: list[str], steps: int) -> None:
     def dump(phase: str) -> None:
         marker.gradtrace_dump(f"{label[0]}|{label[1]}|{phase}".encode())
 
-    def around(method: str, before: str, after: str) -> None:
+    phase = ["forward"]  # the phase running now: what the instructions since the last dump belong to
+
+    def around(method: str, name: str, after: dict[str, str]) -> None:
+        """Time ``method`` as phase ``name``; then the phase ``after[phase it interrupted]``, else that one
+        again (flush runs in backward when enough gradients wait, else only in finish; close runs after
+        backward and again as the trace ends)."""
         function = getattr(tracing._TraceSession, method)
 
         def wrapped(*args, **kwargs):
+            before = phase[0]
             dump(before)
+            phase[0] = name
             try:
                 return function(*args, **kwargs)
             finally:
-                dump(after)
+                dump(name)
+                phase[0] = after.get(before, before)
 
         setattr(tracing._TraceSession, method, wrapped)
 
-    # each wrapper ends the phase before it and the one it times
-    around("discover", "forward", "discover")
-    around("flush", "backward", "flush")
-    around("finish", "close", "finish")
+    around("discover", "discover", {"forward": "backward"})
+    around("flush", "flush", {})
+    around("close", "close", {"backward": "close"})  # hooks removed; parameter gradients recorded next
+    around("finish", "finish", {"close": "rest"})
     for name in names:
         model, args, loss_fn = WORKLOADS[name]()
         label[:] = [name, "warm-up"]  # (not counted)
@@ -98,9 +106,10 @@ def _measure(library: str, names: list[str], steps: int) -> None:
             overhead._clear(model)
             dump("backward")
             label[1] = "gradtrace"
+            phase[0] = "forward"
             marker.gradtrace_zero()
             tracing.trace(model, args, loss_fn=loss_fn)
-            dump("rest")
+            dump(phase[0])
 
 
 def _counts(folder: Path) -> dict[tuple[str, str, str], int]:
