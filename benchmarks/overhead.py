@@ -15,9 +15,10 @@ step's median. Methods:
 - plain: ``loss_fn(model(*args)).backward()``, the inputs as a user passes them (a model's images do
   not require grad; a chain of ops without parameters has an input that does);
 - gradtrace: ``tracer_cli.trace()`` with its defaults (attribution, creation sites, every node hooked,
-  statistics, and input gradients: floating inputs require grad, which costs a model a backward through
-  its first layer's input that the plain step skips);
-- no-input-grad: ``trace(..., input_grad=False)``, the same without input gradients (``--no-input-grad``);
+  statistics; the inputs as given where the model has parameters, so the same gradients as the plain
+  step; a parameterless chain's input requires grad in both);
+- input-grad: ``trace(..., input_grad=True)``, as ``gradtrace run`` traces: floating inputs require
+  grad, which costs a model a backward through its first layer to the input that the plain step skips;
 - anomaly: the plain step under ``torch.autograd.detect_anomaly(check_nan=True)``;
 - floor: a minimal hook on every node that keeps one norm per gradient tensor (no attribution,
   no shapes): the least any per-node tracer can do;
@@ -67,8 +68,8 @@ def traced(model, args, loss_fn) -> None:
     trace(model, args, loss_fn=loss_fn)
 
 
-def traced_no_input_grad(model, args, loss_fn) -> None:
-    trace(model, args, loss_fn=loss_fn, input_grad=False)
+def traced_input_grad(model, args, loss_fn) -> None:
+    trace(model, args, loss_fn=loss_fn, input_grad=True)
 
 
 def anomaly(model, args, loss_fn) -> None:
@@ -115,7 +116,7 @@ def torchviz_dot(model, args, loss_fn) -> None:
 METHODS: dict[str, Callable[..., None]] = {
     "plain": plain,
     "gradtrace": traced,
-    "no-input-grad": traced_no_input_grad,
+    "input-grad": traced_input_grad,
     "anomaly": anomaly,
     "floor": floor,
 }

@@ -395,7 +395,7 @@ def check_model(
 
     torch.manual_seed(seed)
     started = time.perf_counter()
-    t = trace(model, args, kwargs, loss_fn=loss_fn, train=trace_train)
+    t = trace(model, args, kwargs, loss_fn=loss_fn, train=trace_train, input_grad=True)
     report.trace_s = time.perf_counter() - started
     report.plain_s = ref.seconds
     report.nodes_traced = len(t.nodes)
@@ -519,7 +519,7 @@ def check_model(
             plain.append(plain_seconds(reference_model, args, kwargs, loss_fn, seed))
             torch.manual_seed(seed)
             started = time.perf_counter()
-            trace(model, args, kwargs, loss_fn=loss_fn, train=trace_train)
+            trace(model, args, kwargs, loss_fn=loss_fn, train=trace_train, input_grad=True)
             traced.append(time.perf_counter() - started)
         report.plain_s = sorted(plain)[len(plain) // 2]
         report.trace_s = sorted(traced)[len(traced) // 2]
@@ -978,7 +978,7 @@ def _trace(name: str):
     torch.manual_seed(0)
     model = spec["build"]()
     args, kwargs = spec["make_inputs"]()
-    return model, trace(model, args, kwargs, loss_fn=spec.get("loss_fn"), train=spec.get("trace_train"))
+    return model, trace(model, args, kwargs, loss_fn=spec.get("loss_fn"), train=spec.get("trace_train"), input_grad=True)
 
 
 def test_linear_inner_nodes_belong_to_the_linear():
@@ -1131,7 +1131,7 @@ def test_torchscript_modules_are_traced_without_hooks(scripted_root):
     model = torch.jit.script(_ScriptedBody()) if scripted_root else _WithScriptedBody()
     x = torch.randn(5, 8 if scripted_root else 4)
     hooks = hook_snapshot(model)
-    result = trace(model, (x,))
+    result = trace(model, (x,), input_grad=True)
     assert hook_snapshot(model) == hooks
     prefix = "" if scripted_root else "body."
     assert result.meta.module_types[prefix.rstrip(".")] == "_ScriptedBody"

@@ -1051,7 +1051,7 @@ def test_a_nan_through_several_reentrant_checkpoints_has_one_origin():
             return self.head(x)
 
     torch.manual_seed(0)
-    result = trace(Net(), torch.randn(2, 4))
+    result = trace(Net(), torch.randn(2, 4), input_grad=True)
     (finding,) = nonfinite_findings(result)
     assert finding.name == "SqrtBackward0" and finding.module == "blocks.1"
     assert "blocks.0.fc.weight" in finding.detail

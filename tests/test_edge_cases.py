@@ -31,7 +31,7 @@ from .reference import (
     with_input_grads,
 )
 from tracer_cli import trace
-from tracer_cli.errors import UserCodeError
+from tracer_cli.errors import ModelError, UserCodeError
 
 
 def one(result, name, **criteria):
@@ -141,10 +141,57 @@ def test_none_in_grad_inputs_for_input_without_grad():
 def test_input_grad_true_fills_the_none():
     model = ScaleByParameter()
     x = torch.tensor([2.0, 3.0, 4.0])
-    result = trace(model, (x,))
+    result = trace(model, (x,), input_grad=True)
     input_mul = next(n for n in result.find("MulBackward0") if n.next[0] is not None)
     assert result.nodes[input_mul.next[0]].param == "input:0"
     assert input_mul.grad_inputs[0].norm == pytest.approx(float(model.w.detach().norm()))
+
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+
+
+def test_by_default_a_models_inputs_are_taken_as_the_caller_gave_them():
+    """A model with parameters that require grad: the trace computes the step the caller's own
+    backward would, no input gradient (the graph and every statistic as an independent hook sees them)."""
+    model, x = _mlp(), torch.randn(5, 4)
+    result = trace(model, (x,))
+    assert not any(n.param == "input:0" for n in result.nodes)
+    loss = model(x).sum()
+    assert collections.Counter(n.name for n in result.nodes) == graph_signature(loss)
+    compare_with_hooks(result, loss)
+    assert {n.param for n in result.nodes if n.param} == {name for name, _ in model.named_parameters()}
+    # an input the caller made require grad is a leaf, with the gradient a plain backward gives it
+    x_grad = x.clone().requires_grad_()
+    model(x_grad).sum().backward()
+    model.zero_grad(set_to_none=True)
+    leaf = trace(model, (x.clone().requires_grad_(),)).leaf("input:0")
+    assert leaf.grad_outputs[0].norm == pytest.approx(float(x_grad.grad.norm()), rel=1e-6)
+
+
+@pytest.mark.parametrize("case", ["function", "frozen"])
+def test_by_default_inputs_require_grad_where_no_parameter_does(case):
+    """Without a parameter that requires grad there would be no backward: floating inputs get one."""
+    x = torch.randn(5, 4)
+    if case == "function":
+        model = lambda t: (t * t).sum()
+        expected = float((2 * x).norm())
+    else:
+        model = _mlp().requires_grad_(False)
+        x_grad = x.clone().requires_grad_()
+        model(x_grad).sum().backward()
+        expected = float(x_grad.grad.norm())
+    result = trace(model, (x,))
+    assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(expected, rel=1e-6)
+    assert not x.requires_grad  # through an alias: the caller's tensor is as it was
+
+
+def test_input_grad_false_says_how_to_get_input_gradients_when_nothing_requires_grad():
+    with pytest.raises(ModelError, match="does not require grad") as raised:
+        trace(lambda t: (t * t).sum(), (torch.randn(3),), input_grad=False)
+    assert "input_grad=True" in raised.value.hint
 
 
 def test_unused_split_chunk_gives_none_grad_output():
@@ -200,7 +247,7 @@ class ComplexScale(nn.Module):
 def test_complex_parameter_has_a_real_norm():
     model = ComplexScale()
     x = torch.tensor([1.0, 2.0, -1.0])
-    result = trace(model, (x,))
+    result = trace(model, (x,), input_grad=True)
     grads = plain_grads(model, (x,))
     stat = result.leaf("w").grad_outputs[0]
     assert stat.dtype == "complex64"
@@ -225,7 +272,7 @@ def test_bf16_autocast_gradients():
     torch.manual_seed(0)
     model = AutocastMLP()
     x = torch.randn(8, 16) * 100  # large values: bf16 sums of squares would lose precision
-    result = trace(model, (x,))
+    result = trace(model, (x,), input_grad=True)
     names = collections.Counter(n.name for n in result.nodes)
     assert names["ToCopyBackward0"] >= 4  # x, fc1.weight/bias, fc2.weight/bias cast to bf16
     dtypes = {stat.dtype for node in result.nodes for _, _, stat in node.stats()}
@@ -253,7 +300,7 @@ def test_inplace_op_on_a_view_shows_copyslices():
     torch.manual_seed(0)
     model = InPlace()
     x = torch.randn(3, 4)
-    result = trace(model, (x,))
+    result = trace(model, (x,), input_grad=True)
     args, _, _ = with_input_grads((x,), {})
     loss = model(*args)
     expected_names = graph_signature(loss)
@@ -336,7 +383,7 @@ class ForgetsWeightGrads(nn.Module):
 def test_nodes_that_never_run_have_no_statistics():
     torch.manual_seed(0)
     model = ForgetsWeightGrads()
-    result = trace(model, (torch.randn(2, 4),))
+    result = trace(model, (torch.randn(2, 4),), input_grad=True)
     never_ran = [n for n in result.nodes if n.order is None]
     assert {n.param for n in never_ran if n.param} == {"inner.weight", "inner.bias"}
     assert [n.module for n in never_ran if n.name == "TBackward0"] == ["inner"]
@@ -374,7 +421,7 @@ def test_unused_side_branch_of_a_reentrant_checkpoint():
 
     torch.manual_seed(0)
     model = SideBranch()
-    result = trace(model, (torch.randn(2, 4),))
+    result = trace(model, (torch.randn(2, 4),), input_grad=True)
     for node in result.nodes:
         assert (node.order is None) == (node.grad_outputs is None) == (node.grad_inputs is None), node.label()
     assert result.leaf("main.weight").order is not None
@@ -519,9 +566,9 @@ def test_complex_output_without_loss_fn_says_so():
 
     weight = nn.Parameter(torch.randn(4, dtype=torch.complex64))
     with pytest.raises(ModelError) as caught:
-        trace(lambda x: torch.fft.fft(x) * weight, torch.randn(4))
+        trace(lambda x: torch.fft.fft(x) * weight, torch.randn(4), input_grad=True)
     assert "complex" in caught.value.message and "real scalar" in caught.value.hint
-    result = trace(lambda x: torch.fft.fft(x) * weight, torch.randn(4), loss_fn=lambda out: out.abs().pow(2).sum())
+    result = trace(lambda x: torch.fft.fft(x) * weight, torch.randn(4), loss_fn=lambda out: out.abs().pow(2).sum(), input_grad=True)
     assert result.leaf("input:0").grad_norm > 0
 
 
@@ -529,11 +576,11 @@ def test_a_complex_output_beside_a_real_one_is_left_out_and_said_so():
     from tracer_cli.checks import trace_findings
 
     weight = nn.Parameter(torch.randn(4, dtype=torch.complex64))
-    result = trace(lambda x: (torch.fft.fft(x) * weight, x * 2), torch.randn(4))
+    result = trace(lambda x: (torch.fft.fft(x) * weight, x * 2), torch.randn(4), input_grad=True)
     assert result.meta.loss_rule.startswith("output[1].sum(); left out: complex output[0]")
     (nograd,) = [f for f in trace_findings(result) if f.kind == "nograd"]
     assert "complex output, which the loss leaves out" in nograd.detail
-    result = trace(lambda x: (torch.fft.fft(x).detach(), x * 2), torch.randn(4))  # nothing requires grad there
+    result = trace(lambda x: (torch.fft.fft(x).detach(), x * 2), torch.randn(4), input_grad=True)  # nothing requires grad there
     assert result.meta.loss_rule == "output[1].sum()"
 
 
@@ -578,7 +625,7 @@ def test_one_element_output_gets_a_sum_node():
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     x = torch.randn(1, 3)
-    result = trace(model, (x[0],))  # output shape [1]
+    result = trace(model, (x[0],), input_grad=True)  # output shape [1]
     root = result.nodes[0]
     assert root.name == "SumBackward0"
     assert shapes(root.grad_inputs) == ((1,),)
@@ -601,7 +648,7 @@ def test_keyword_inputs_are_named(x3):
     torch.manual_seed(0)
     model = nn.Bilinear(3, 3, 2)
     y = torch.randn(5, 3)
-    result = trace(lambda *, left, right: model(left, right), kwargs={"left": x3, "right": y})
+    result = trace(lambda *, left, right: model(left, right), kwargs={"left": x3, "right": y}, input_grad=True)
     assert {"input:left", "input:right"} <= {n.param for n in result.nodes}
     grads = plain_grads(lambda *, left, right: model(left, right), kwargs={"left": x3, "right": y})
     for key in ("input:left", "input:right"):
@@ -667,7 +714,7 @@ def test_trace_called_inside_no_grad_or_inference_mode(mode):
     model.zero_grad(set_to_none=True)
     with getattr(torch, mode)():
         inputs = x.clone()  # an inference tensor under inference_mode
-        result = trace(model, inputs)
+        result = trace(model, inputs, input_grad=True)
         assert not torch.is_grad_enabled()
         assert torch.is_inference_mode_enabled() == (mode == "inference_mode")
     for name, norm in expected.items():
@@ -912,7 +959,7 @@ def test_a_packed_sequence_input_is_one_argument_and_its_data_an_input_leaf():
     def model(sequence):
         return lstm(sequence)[0].data
 
-    result = trace(model, args, kwargs)
+    result = trace(model, args, kwargs, input_grad=True)
     data = packed.data.detach().requires_grad_()
     model(packed._replace(data=data)).sum().backward()
     leaf = result.leaf("input:0.data")

@@ -507,8 +507,8 @@ def test_tensors_in_a_dataclass_or_a_dict_subclass_input_get_gradients_and_names
     x = torch.randn(3, 4)
     batch = Batch(x, scale=2.0)
     batch.repeats = 3
-    by_dataclass = trace(lambda batch: fc(batch.x * batch.scale) * batch.repeats / 3, batch)
-    by_ordered = trace(lambda batch: fc(batch["x"]) if isinstance(batch, OrderedDict) else None, OrderedDict(x=x))
+    by_dataclass = trace(lambda batch: fc(batch.x * batch.scale) * batch.repeats / 3, batch, input_grad=True)
+    by_ordered = trace(lambda batch: fc(batch["x"]) if isinstance(batch, OrderedDict) else None, OrderedDict(x=x), input_grad=True)
     expected = (fc.weight.detach().sum(0) * 2.0).expand(3, 4).norm()  # d(sum(fc(2x)))/dx
     assert [i.name for i in by_dataclass.meta.inputs] == ["input:0.x"]
     assert by_dataclass.leaf("input:0.x").grad_norm == pytest.approx(float(expected), rel=1e-6)

@@ -33,7 +33,7 @@ def sample_trace(name: str, **kwargs) -> Trace:
     torch.manual_seed(0)
     inputs = module.example_inputs()
     args, kw = ((inputs,), {}) if isinstance(inputs, torch.Tensor) else ((), inputs) if isinstance(inputs, dict) else (inputs, {})
-    result = trace(model, args, kw, loss_fn=getattr(module, "loss_fn", None), target=f"sample_models/{name}.py", **kwargs)
+    result = trace(model, args, kw, loss_fn=getattr(module, "loss_fn", None), target=f"sample_models/{name}.py", **{"input_grad": True, **kwargs})
     return result.with_meta(timings_s=FIXED_TIMES, torch="2.x")
 
 

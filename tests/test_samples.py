@@ -106,7 +106,7 @@ def traced(name: str, build_kwargs: tuple = ()) -> Traced:
     params = params_of(built.model)
     training = built.model.training if isinstance(built.model, nn.Module) else None
     grads = {n: p.grad for n, p in params.items()}
-    result = trace(built.model, built.args, built.kwargs, loss_fn=built.loss_fn)
+    result = trace(built.model, built.args, built.kwargs, loss_fn=built.loss_fn, input_grad=True)  # as `gradtrace run` does
     return Traced(built, result, training, grads)
 
 
@@ -427,7 +427,7 @@ def test_existing_grads_and_eval_mode_are_restored(name):
 @pytest.mark.parametrize("name", ["mlp", "transformer"])
 def test_tracing_twice_gives_the_same_statistics(name):
     t = traced(name)
-    again = trace(t.built.model, t.built.args, t.built.kwargs, loss_fn=t.built.loss_fn)
+    again = trace(t.built.model, t.built.args, t.built.kwargs, loss_fn=t.built.loss_fn, input_grad=True)
     first = [(n.name, n.module, n.param, n.grad_inputs, n.grad_outputs) for n in t.result.nodes]
     second = [(n.name, n.module, n.param, n.grad_inputs, n.grad_outputs) for n in again.nodes]
     assert first == second

@@ -305,5 +305,5 @@ def test_post_accumulate_grad_hooks_of_a_reentrant_checkpoint_s_parameters_are_h
     steps = []
     for param in (*inner.parameters(), *outer.parameters()):
         param.register_post_accumulate_grad_hook(lambda p: steps.append(p))
-    result = trace(lambda x: outer(checkpoint(inner, x, use_reentrant=True)).sum(), torch.randn(2, 4))
+    result = trace(lambda x: outer(checkpoint(inner, x, use_reentrant=True)).sum(), torch.randn(2, 4), input_grad=True)
     assert steps == [] and "inner.weight" in dict(result.param_grads)

@@ -380,7 +380,7 @@ def test_forward_stats_are_the_norms_of_each_op_output():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     x = torch.randn(3, 4)
-    result = trace(model, x, forward_stats=True)
+    result = trace(model, x, forward_stats=True, input_grad=True)
     with torch.no_grad():  # the independent forward
         hidden = model[0](x)
         activated = model[1](hidden)
@@ -400,7 +400,7 @@ def test_forward_stats_are_the_norms_of_each_op_output():
     # nodes made inside an op (F.linear's TBackward0) have no forward value of their own
     assert all(n.forward is None for n in result.find("TBackward0"))
     # off by default
-    assert all(n.forward is None for n in trace(model, x).nodes)
+    assert all(n.forward is None for n in trace(model, x, input_grad=True).nodes)
 
 
 def test_param_grads_are_the_grads_after_backward():
@@ -1201,11 +1201,11 @@ def test_a_partial_and_a_bound_method_of_a_plain_object_name_the_model_inside():
     import functools
 
     model = _TwoLayers()
-    partial = trace(functools.partial(model, scale=2.0), torch.randn(3, 4))
+    partial = trace(functools.partial(model, scale=2.0), torch.randn(3, 4), input_grad=True)
     assert partial.meta.module_types == {"": "_TwoLayers", "fc": "Linear", "unused": "Linear"}
     assert partial.params_without_grad == ("unused.weight", "unused.bias")
     assert {n.param for n in partial if n.is_leaf} == {"fc.weight", "fc.bias", "input:0"}
-    method = trace(_Task(model).step, torch.randn(3, 4))
+    method = trace(_Task(model).step, torch.randn(3, 4), input_grad=True)
     assert method.params_without_grad == ("model.unused.weight", "model.unused.bias")
     assert {n.param for n in method if n.is_leaf} == {"model.fc.weight", "model.fc.bias", "input:0"}
 
@@ -1272,7 +1272,7 @@ def test_an_input_made_by_the_callers_graph_is_detached_so_the_trace_stops_there
     encoder, head = nn.Linear(4, 4), nn.Linear(4, 2)
     x = torch.randn(3, 4)
     hidden = encoder(x)
-    result = trace(head, hidden)
+    result = trace(head, hidden, input_grad=True)
     assert {n.param for n in result if n.is_leaf} == {"weight", "bias", "input:0"}
     expected = head.weight.detach().sum(0).expand(3, 4)  # d(sum(head(h)))/dh: each row is the column sums of head.weight
     assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(float(expected.norm()), rel=1e-6)
@@ -1355,6 +1355,6 @@ def _decorated_model(x):
 
 @pytest.mark.parametrize("model", [_through_a_class, _through_a_decorated_helper, _decorated_model])
 def test_a_plain_function_reaches_modules_through_classes_and_decorators(model):
-    result = trace(model, torch.randn(2, 4))
+    result = trace(model, torch.randn(2, 4), input_grad=True)
     assert result.meta.module_types == {"_reached": "Linear"}
     assert {n.param for n in result if n.is_leaf} == {"_reached.weight", "_reached.bias", "input:0"}

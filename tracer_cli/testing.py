@@ -43,7 +43,7 @@ def assert_gradients_healthy(
     fail_on: str | Iterable[str] = (),
     warn_on: str | Iterable[str] = (),
     loss_reduction: str = "sum",
-    input_grad: bool = True,
+    input_grad: bool | None = None,
     train: bool | None = None,
     gradcheck: bool = False,
     replay: bool = False,

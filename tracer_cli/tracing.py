@@ -2164,7 +2164,7 @@ def trace(
     *,
     loss_fn: Callable[[Any], Any] | None = None,
     loss_reduction: str = "sum",
-    input_grad: bool = True,
+    input_grad: bool | None = None,
     train: bool | None = None,
     target: str | None = None,
     seed: int | None = None,
@@ -2186,12 +2186,18 @@ def trace(
             it the output is reduced by the documented rule (scalar output as is,
             ``.loss`` / ``["loss"]``, else the sum of each floating output's sum).
         loss_reduction: "sum" or "mean" for that fallback rule.
-        input_grad: give floating-point input tensors ``requires_grad`` (through
-            new aliases; the caller's tensors are not changed) so their gradients
-            appear as ``input:N`` leaves. An input that is part of the caller's
-            graph (made by ops on tensors that require grad) is detached first:
-            the backward stops at the model's inputs, and the caller's graph is
-            left for the caller's own backward.
+        input_grad: ``True`` gives floating-point input tensors ``requires_grad``
+            (through new aliases; the caller's tensors are not changed) so their
+            gradients appear as ``input:N`` leaves; ``False`` takes the inputs as
+            they are. ``None`` (the default): as they are where a parameter of the
+            model requires grad, so the trace computes what the caller's own step
+            computes (an input that requires grad still shows as a leaf); as with
+            ``True`` where none does (a function of its inputs alone, or a frozen
+            model), which would otherwise have no backward. ``gradtrace run``
+            passes ``True`` unless ``--no-input-grad``. An input that is part of
+            the caller's graph (made by ops on tensors that require grad) is
+            detached first: the backward stops at the model's inputs, and the
+            caller's graph is left for the caller's own backward.
         train: ``True``/``False`` to run in train/eval mode; ``None`` keeps the mode
             the model is in. The mode is restored afterwards.
         target: how to name the model in ``meta.target``.
@@ -2229,9 +2235,11 @@ def trace(
     started = time.perf_counter()
     if isinstance(args, torch.Tensor) or not isinstance(args, (tuple, list)):
         args = (args,)
-    args, kwargs, input_names, input_infos = _prepare_inputs(tuple(args), dict(kwargs or {}), input_grad)
     modules = named_modules_of(model)
     leaves = _named_leaves(model, modules)
+    if input_grad is None:  # the inputs as given, unless nothing else would give the step a backward
+        input_grad = not any(leaf.tensor.requires_grad for leaf in leaves.values())
+    args, kwargs, input_names, input_infos = _prepare_inputs(tuple(args), dict(kwargs or {}), input_grad)
     tracker = _ModuleTracker(modules, leaves)
     session = _TraceSession(leaves, input_names, tracker)
     training = [(module, module.training) for _, module in modules]
@@ -2274,9 +2282,10 @@ def trace(
         tracker.stop_recording()
         forward_done = time.perf_counter()
         if loss.grad_fn is None:
+            inputs_too = "" if input_grad else " (without --no-input-grad, or with trace(..., input_grad=True), floating inputs do)"
             raise ModelError(
                 f"the loss ({loss_rule}) does not require grad: nothing to trace",
-                hint="check that parameters or inputs require grad and that forward does not run under "
+                hint=f"check that parameters or inputs require grad{inputs_too} and that forward does not run under "
                 "torch.no_grad() or .detach() the output",
             )
         del output
