@@ -281,7 +281,7 @@ def test_no_host_read_per_node_on_cpu(monkeypatch):
 
     monkeypatch.setattr(tracing._Stats, "read", read)
     # on the CPU, a norm small enough to have underflowed is read at once and taken again: not on a GPU
-    monkeypatch.setattr(tracing._Stats, "_reads_at_once", lambda self, device: False)
+    monkeypatch.setattr(tracing._Stats, "_reads_at_once", lambda self, tensor: False)
     torch.manual_seed(0)
     small = [nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(20)]
     model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 16), *small)

@@ -833,6 +833,7 @@ TINY_SQUARE_64 = 2.0**-960
 TINY_NORM_64 = 2.0**-480
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entered once per hook call that queues norms at once
 _SHAPE, _DTYPE, _LAYOUT = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("layout")
 
 
@@ -930,11 +931,12 @@ class _Stats:
 
     def _readable_now(self, tensor: Any, norm: Any) -> bool:
         """Plain tensors (a tensor subclass's read may be a collective) on a device read at once."""
-        return type(norm) is self._plain and type(tensor) is self._plain and self._reads_at_once(tensor.device)
+        return type(norm) is self._plain and type(tensor) is self._plain and self._reads_at_once(tensor)
 
-    def _reads_at_once(self, device: Any) -> bool:
-        """The CPU: reading a value there costs no synchronisation with a device."""
-        return device.type == "cpu"
+    def _reads_at_once(self, tensor: Any) -> bool:
+        """A plain tensor on the CPU: reading a value there costs no synchronisation with a device.
+        (``is_cpu``, not ``device.type``, which makes a string: this runs for every large gradient.)"""
+        return tensor.is_cpu
 
     def _scaled_norm(self, tensor: Any) -> Any:
         """:meth:`_scaled_norms` of one tensor's elements: a 0-d float64 norm."""
@@ -971,20 +973,28 @@ class _Stats:
         tensor allocated per norm and kept to the end would sit between the large blocks backward frees
         and allocates again (measured: twice the page faults of a plain backward on a CNN, and 20% of its
         time)."""
-        device = tensor.device
-        if type(tensor) is self._plain and self._reads_at_once(device):
-            norm, squared = self._norm_tensor(tensor)  # a fresh result: faster than out= (a view, then a write)
-            if norm is None:
-                return NO_VALUE
-            value = norm.item()
-            tiny = self._tiny[self._result_dtype(tensor.dtype)]
+        if type(tensor) is self._plain and self._reads_at_once(tensor):
+            dtype, value = tensor.dtype, None
+            if dtype in self._dot_dtypes and tensor.layout is self._strided and tensor.is_contiguous():
+                # _norm_tensor()'s usual case, inlined (a fresh result: faster than out=, a view and a write)
+                try:
+                    flat = tensor if tensor.dim() == 1 else tensor.view(-1)
+                    value, squared = self._dot(flat, flat).item(), True
+                except Exception:  # as _norm_tensor() would: another way below
+                    pass
+            if value is None:
+                norm, squared = self._norm_tensor(tensor)
+                if norm is None:
+                    return NO_VALUE
+                value = norm.item()
+            tiny = self._tiny[self._float64 if dtype in self._double else self._float32]
             if (value < tiny[0 if squared else 1] or value == math.inf) and tensor.numel():
                 return self.value(self._scaled_norm(tensor))
             position = self._size
             self._size += 1
             self._read.append((position, math.sqrt(value) if squared else value))
             return position
-        key = (device, self._result_dtype(tensor.dtype))
+        key = (tensor.device, self._result_dtype(tensor.dtype))
         buffer = self._buffers.get(key)
         if buffer is None or buffer[2] == OUT_CHUNK:
             values = self._torch.empty(OUT_CHUNK, dtype=key[1], device=key[0])
@@ -1012,7 +1022,12 @@ class _Stats:
 
     def now(self, tensor: Any) -> int:
         """A new slot for ``tensor``, its norm queued at once."""
-        slot = self._new_slot(tensor)
+        slot = len(self.shapes)  # _new_slot(), inlined: this runs for every large gradient
+        self.shapes.append(tensor.shape)
+        self.dtypes.append(tensor.dtype)
+        layout = tensor.layout
+        if layout is not self._strided:
+            self._note_layout(slot, layout)
         self.positions.append(self._norm(tensor))
         return slot
 
@@ -1194,6 +1209,7 @@ class _TraceSession:
         import torch
 
         self._torch = torch
+        self._plain, self._strided = torch.Tensor, torch.strided
         self._leaf_type = torch._C._functions.AccumulateGrad
         self._custom_type = torch.autograd.function.BackwardCFunction
         self._current_node = getattr(torch._C, "_current_autograd_node", None)  # the node running in this thread
@@ -1442,36 +1458,43 @@ class _TraceSession:
     def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> list[int]:
         """Log a call with slots whose norms are queued now (lists: a flush tells them from tuples of tensors);
         the slots of what it received."""
-        with self._lock, self._outside_graph():
-            received = list(map(self._slot_now, grad_outputs))
-            self.log.extend((node_id, list(map(self._slot_now, grad_inputs)), received))
+        if self._torch.is_grad_enabled():  # backward(create_graph=True): statistics stay out of the graph
+            with self._torch.no_grad():
+                return self._log_now(node_id, grad_inputs, grad_outputs)
+        slot_now = self._slot_now
+        with self._lock:
+            received = list(map(slot_now, grad_outputs))
+            self.log.extend((node_id, list(map(slot_now, grad_inputs)), received))
             self._logged_now = True
         return received
 
     def _outside_graph(self) -> contextlib.AbstractContextManager:
         """``no_grad()`` where grad mode is on (backward(create_graph=True) runs hooks in it, and flush() runs
         after backward too), so statistics stay out of the graph; nothing to do in a plain backward."""
-        return self._torch.no_grad() if self._torch.is_grad_enabled() else contextlib.nullcontext()
+        return self._torch.no_grad() if self._torch.is_grad_enabled() else _NO_CONTEXT
 
     def _slot_now(self, grad: Any) -> int:
         """The slot of a gradient, its norm queued once per tensor object and version, and once per block
         of memory: a transposed view (``TBackward0`` sends on its input's transpose) has the same norm."""
         if grad is None:
             return -1
-        seen = self._seen.get(id(grad))
+        key, version = id(grad), grad._version
+        seen = self._seen.get(key)
         # the same object with the same version: the engine accumulates gradients in place
-        if seen is not None and seen[0]() is grad and seen[1] == grad._version:
+        if seen is not None and seen[1] == version and seen[0]() is grad:
             return seen[2]
         block = self._dense_block(grad)
         same = self._blocks.get(block) if block is not None else None
         # the same elements while the first tensor lives (its memory cannot be reused), unchanged since
-        if same is not None and same[0]() is not None and same[1] == grad._version:
+        if same is not None and same[1] == version and same[0]() is not None:
             slot = self.stats.alias(grad, same[2])
-        else:
-            slot = self.stats.now(grad)
-            if block is not None:
-                self._blocks[block] = (weakref.ref(grad), grad._version, slot)
-        self._seen[id(grad)] = (weakref.ref(grad), grad._version, slot)
+            self._seen[key] = (weakref.ref(grad), version, slot)
+            return slot
+        slot = self.stats.now(grad)
+        entry = (weakref.ref(grad), version, slot)  # one weak reference for both tables
+        if block is not None:
+            self._blocks[block] = entry
+        self._seen[key] = entry
         return slot
 
     def _dense_block(self, grad: Any) -> tuple | None:
@@ -1481,7 +1504,7 @@ class _TraceSession:
         A tensor subclass's ``data_ptr()`` need not be an address (a DTensor's is its offset in a
         storage it does not hold): only plain tensors qualify."""
         try:
-            if type(grad) is not self._torch.Tensor or grad.layout is not self._torch.strided:
+            if type(grad) is not self._plain or grad.layout is not self._strided:
                 return None
             if grad.is_contiguous() or (grad.dim() == 2 and grad.t().is_contiguous()):
                 return (grad.data_ptr(), grad.numel(), grad.dtype, grad.device)
