@@ -114,6 +114,28 @@ def test_large_gradients_norms_are_accurate():
     assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(expected, rel=1e-5, abs=0)
 
 
+def _heads(x):
+    """Large gradients laid out as permutations of contiguous blocks (attention heads moved, as in a
+    transformer), next to large ones that fill no block: expanded, and column slices with gaps."""
+    h = x.view(4, 64, 4, 32).permute(0, 2, 1, 3)  # PermuteBackward0 sends on a permuted view
+    scores = (h * 1.5).sin().transpose(-2, -1)  # a transposed 4-d gradient
+    wide = x.sum(-1, keepdim=True).expand(256, 128)  # SumBackward0 sends on an expanded gradient
+    halves = torch.cat([x * 2.0, x.cos()], dim=1)  # CatBackward0 sends on column slices, each with gaps
+    return (scores * scores).sum() + (wide * 0.25).sum() + halves.square().sum()
+
+
+def test_large_permuted_and_strided_gradients_match_norms_taken_in_the_hook():
+    """Gradients that fill one block of memory in another order are normed as that block, flat, and share
+    the norm of the contiguous gradient they are a view of; those that fill none (expanded, with gaps) are
+    normed as they are. Every one is compared with an independent norm taken in a hook."""
+    torch.manual_seed(0)
+    args = (torch.randn(256, 128),)
+    assert args[0].numel() > tracing.SMALL_NUMEL  # normed at once, one by one
+    result = trace(_heads, args)
+    compare_with_hooks(result, _reference_loss(_heads, args))
+    assert result.find("PermuteBackward0") and result.find("TransposeBackward0") and result.find("CatBackward0")
+
+
 class _Vanishing(torch.nn.Module):
     """A parameter whose gradient elements are about 1e-24: their float32 squares underflow to 0."""
 

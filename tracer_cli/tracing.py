@@ -892,6 +892,9 @@ class _Stats:
                     if tensor.dim() == 2 and tensor.t().is_contiguous():  # a weight's gradient, transposed back
                         flat = tensor.t().view(-1)
                         return self._dot(flat, flat, out=out), True
+                    if type(tensor) is self._plain and _fills_block(tensor):  # attention heads moved: their block, flat
+                        flat = tensor.as_strided((tensor.numel(),), (1,))
+                        return self._dot(flat, flat, out=out), True
                 except (RuntimeError, NotImplementedError, TypeError):  # a subclass that cannot be flattened (an
                     pass  # unevenly sharded DTensor): a norm below
             values = self._elements(tensor)
@@ -1499,14 +1502,15 @@ class _TraceSession:
 
     def _dense_block(self, grad: Any) -> tuple | None:
         """``(address, numel, dtype, device)`` of a tensor whose elements fill one block of memory exactly
-        (contiguous, or a transposed contiguous matrix); None for others, whose norm is not shared.
+        (contiguous, or a permutation of a contiguous tensor: :func:`_fills_block`); None for others, whose norm
+        is not shared.
 
         A tensor subclass's ``data_ptr()`` need not be an address (a DTensor's is its offset in a
         storage it does not hold): only plain tensors qualify."""
         try:
             if type(grad) is not self._plain or grad.layout is not self._strided:
                 return None
-            if grad.is_contiguous() or (grad.dim() == 2 and grad.t().is_contiguous()):
+            if grad.is_contiguous() or _fills_block(grad):
                 return (grad.data_ptr(), grad.numel(), grad.dtype, grad.device)
         except Exception:  # a tensor subclass without storage
             pass
@@ -1977,6 +1981,21 @@ def _remove_hooks(handles: list[Any], key: object) -> None:
         deque(map(dict.pop, itertools.compress(handles, kinds), repeat(key), repeat(None)), maxlen=0)
         for handle in itertools.compress(handles, map(operator.not_, kinds)):
             handle.remove()
+
+
+def _fills_block(tensor: Any) -> bool:
+    """Whether a strided tensor's elements fill one block of memory exactly, starting at its ``data_ptr()``, in
+    some order of its dimensions: a permutation of a contiguous tensor (a transposed weight gradient, a
+    gradient with attention heads moved). Such a tensor has the norm of that block read flat, and shares it
+    with every other tensor over the block (the contiguous gradient it is a view of). Expanded dimensions
+    (stride 0) and gaps do not fill a block."""
+    expected = 1
+    for stride, size in sorted(zip(tensor.stride(), tensor.shape)):
+        if size != 1:  # a dimension of one element may have any stride
+            if stride != expected:
+                return False
+            expected *= size
+    return True
 
 
 def _storage_freed(tensor: Any) -> bool:
