@@ -983,8 +983,8 @@ class _Stats:
                 try:
                     flat = tensor if tensor.dim() == 1 else tensor.view(-1)
                     value, squared = self._dot(flat, flat).item(), True
-                except Exception:  # as _norm_tensor() would: another way below
-                    pass
+                except (RuntimeError, NotImplementedError, TypeError):  # as in _norm_tensor(): another way below
+                    value = None
             if value is None:
                 norm, squared = self._norm_tensor(tensor)
                 if norm is None:
