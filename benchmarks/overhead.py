@@ -10,7 +10,8 @@
 
 For each workload, every method runs once per round, in turn (interleaved, so that a busy machine
 slows all of them alike); the table shows each method's median time and its ratio to the plain
-step's median. Methods:
+step's median, and the quartiles of gradtrace's ratio to the plain step of the same round (the spread
+that the machine's noise gives the ratio). Methods:
 
 - plain: ``loss_fn(model(*args)).backward()``, the inputs as a user passes them (a model's images do
   not require grad; a chain of ops without parameters has an input that does);
@@ -128,7 +129,8 @@ except ImportError:
     pass
 
 
-def measure(name: str, rounds: int) -> dict[str, float]:
+def measure(name: str, rounds: int) -> dict[str, list[float]]:
+    """Each method's time in every round (seconds; NaN where torchviz hit its recursion limit)."""
     torch.manual_seed(0)
     model, args, loss_fn = WORKLOADS[name]()
     for method in METHODS.values():  # warm-up: allocator, lazy inits
@@ -144,7 +146,17 @@ def measure(name: str, rounds: int) -> dict[str, float]:
                 times[method_name].append(float("nan"))
                 continue
             times[method_name].append(time.perf_counter() - start)
-    return {m: statistics.median(t) for m, t in times.items()}
+    return times
+
+
+def spread(traced: list[float], plain: list[float]) -> str:
+    """The quartiles of gradtrace's ratio to the plain step of the same round: how much the machine's noise
+    moves the median ratio (rounds are paired, so a slow stretch of the machine slows both alike)."""
+    ratios = [t / p for t, p in zip(traced, plain)]
+    if len(ratios) < 2:
+        return "–"
+    low, _, high = statistics.quantiles(ratios, n=4)
+    return f"{low:.2f}–{high:.2f}"
 
 
 def peak_memory(method: str) -> float:
@@ -193,15 +205,16 @@ def main() -> None:
         torch.set_num_threads(options.threads)
     print(f"# {platform.machine()} · {os.cpu_count()} cores · torch {torch.__version__} · "
           f"{torch.get_num_threads()} threads · python {platform.python_version()}")
-    header = "| workload | plain (ms) | " + " | ".join(f"{m} (x)" for m in METHODS if m != "plain") + " |"
+    header = "| workload | plain (ms) | " + " | ".join(f"{m} (x)" for m in METHODS if m != "plain") + " | gradtrace per round |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     results: dict[str, Any] = {}
     for name in options.workloads:
-        medians = measure(name, options.rounds)
+        times = measure(name, options.rounds)
+        medians = {m: statistics.median(t) for m, t in times.items()}
         results[name] = medians
         ratios = " | ".join(f"{medians[m] / medians['plain']:.2f}" for m in METHODS if m != "plain")
-        print(f"| {name} | {medians['plain'] * 1e3:.1f} | {ratios} |", flush=True)
+        print(f"| {name} | {medians['plain'] * 1e3:.1f} | {ratios} | {spread(times['gradtrace'], times['plain'])} |", flush=True)
     if options.memory:
         peaks = {m: peak_memory(m) for m in ("plain", "gradtrace", "floor")}
         results["peak_memory_mib"] = peaks
