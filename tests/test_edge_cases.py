@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tracer_cli import trace
+from tracer_cli.errors import ModelError, UserCodeError
+
 from .reference import (
     as_call_args,
     compare_with_hooks,
@@ -30,8 +33,6 @@ from .reference import (
     sample_model,
     with_input_grads,
 )
-from tracer_cli import trace
-from tracer_cli.errors import ModelError, UserCodeError
 
 
 def one(result, name, **criteria):
@@ -926,6 +927,100 @@ def test_module_called_twice_attributes_both_uses():
     leaf = result.leaf("fc.weight")
     assert leaf.runs == 1  # one backward: both uses are summed before AccumulateGrad runs
     assert leaf.grad_outputs[0].norm == pytest.approx(float(plain_grads(model, (x,))["fc.weight"].norm()), rel=1e-5)
+
+
+class _Watched(nn.Module):
+    """Notes, as forward runs, whether its submodules hold a call function put there for the trace."""
+
+    def __init__(self, inner_fails: bool = False):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.fails = _Failing() if inner_fails else nn.Identity()
+        self.out = nn.Linear(3, 1)
+        self.held: list[bool] = []
+
+    def forward(self, x):
+        self.held = [m.__dict__.get("_compiled_call_impl") for m in (self.fc, self.out)]
+        h = torch.tanh(self.fc(x))
+        try:
+            h = self.fails(h)
+        except ValueError:
+            h = h * 2  # the parent's op, after a submodule raised and the parent went on
+        return self.out(h)
+
+
+class _Failing(nn.Module):
+    def forward(self, x):
+        raise ValueError("caught by the parent")
+
+
+def test_modules_called_directly_during_a_trace_are_put_back_even_when_forward_raises():
+    """Each module is called through a function of the trace's (torch's _compiled_call_impl slot) while it
+    runs; none is left behind, after a trace that succeeds or one whose forward raises; a module compiled in
+    place keeps its own."""
+    torch.manual_seed(0)
+    model = _Watched(inner_fails=True)
+    model.out._compiled_call_impl = None  # as torch leaves it, in the instance: kept so
+    result = trace(model, (torch.randn(2, 3),))
+    assert all(callable(call) for call in model.held)
+    assert "_compiled_call_impl" not in model.fc.__dict__ and model.out.__dict__["_compiled_call_impl"] is None
+    assert one(result, "MulBackward0").module == ""  # the submodule that raised closed its boundary
+    assert one(result, "TanhBackward0").module == ""
+    assert sorted(n.module for n in result.find("AddmmBackward0")) == ["fc", "out"]
+
+    def own(*args, **kwargs):  # Module.compile()'s: not replaced, and put back as it was
+        return model.out._call_impl(*args, **kwargs)
+
+    model.out.__dict__["_compiled_call_impl"] = own
+    model.fc.forward = lambda x: (_ for _ in ()).throw(RuntimeError("forward failed"))
+    with pytest.raises(UserCodeError):
+        trace(model, (torch.randn(2, 3),))
+    assert callable(model.held[0]) and model.held[1] is own
+    assert "_compiled_call_impl" not in model.fc.__dict__ and model.out.__dict__["_compiled_call_impl"] is own
+    assert all("_compiled_call_impl" not in m.__dict__ for m in (model, model.fails))
+
+
+def test_a_hook_registered_during_forward_runs_and_its_module_keeps_its_nodes():
+    """A module that has hooks by the time it is called goes through torch's own call, hooks and all."""
+    torch.manual_seed(0)
+    model = _Watched()
+    seen = []
+
+    def forward(x):
+        handle = model.out.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+        try:
+            return _Watched.forward(model, x)
+        finally:
+            handle.remove()
+
+    model.forward = forward
+    result = trace(model, (torch.randn(2, 3),))
+    assert seen == [torch.Size([2, 1])]
+    assert sorted(n.module for n in result.find("AddmmBackward0")) == ["fc", "out"]
+    assert one(result, "TanhBackward0").module == ""
+
+
+def test_global_module_hooks_of_the_users_run_on_every_module_call_during_a_trace():
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    torch.manual_seed(0)
+    model = _Watched()
+    calls = collections.Counter()
+    handles = [
+        register_module_forward_pre_hook(lambda module, args: calls.update(["pre"])),
+        register_module_forward_hook(lambda module, args, output: calls.update(["post"])),
+    ]
+    try:
+        result = trace(model, (torch.randn(2, 3),))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == {"pre": 4, "post": 4}  # the model, fc, the identity, out
+    assert model.held == [None, None]  # torch's call, which runs them
+    assert sorted(n.module for n in result.find("AddmmBackward0")) == ["fc", "out"]
 
 
 def test_a_loss_fn_that_runs_a_backward_of_its_own_leaves_grad_as_found():
