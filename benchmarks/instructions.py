@@ -2,13 +2,16 @@
 
     python benchmarks/instructions.py                      # tiny-unary, 3 steps each
     python benchmarks/instructions.py tiny-ops tiny-param --steps 2
+    python benchmarks/instructions.py resnet-small --steps 2  # per module and per node, small kernels
 
 Wall-clock ratios (overhead.py) are what users feel, but on a shared, noisy machine a change worth a few
 percent is lost in the noise of a whole step. Instruction counts are deterministic: the same code gives
 the same count to within a fraction of a percent, run after run, so a change to one phase can be judged on
 its own. They are a proxy for time, not time (a cache miss costs more than an add), so what they show
 must be confirmed with overhead.py; and a step runs about 50 times slower under Valgrind, so the
-workloads here are the tiny-op ones, where gradtrace's own Python is most of the cost.
+workloads here are the tiny-op ones, where gradtrace's own Python is most of the cost, and resnet-small
+(the ResNet-style CNN at batch 2, 16x16 images: what a trace adds per module and per node, with kernels
+that cost little).
 
 For each workload: one plain step and one trace to warm up, then ``--steps`` plain steps and ``--steps``
 traces, each counted from a zeroed counter. A trace is split where ``_TraceSession``'s methods start

@@ -125,6 +125,14 @@ def resnet18() -> Workload:
     return model, (torch.randn(32, 3, 32, 32),), lambda logits: F.cross_entropy(logits, labels)
 
 
+def resnet_small() -> Workload:
+    """The ResNet-style CNN at batch 2, 16x16 images: its kernels cost little, so what a traced step adds per
+    module and per node (the same as at batch 32) is most of the difference; for instructions.py."""
+    model = ResNetStyle()
+    labels = torch.randint(0, 10, (2,))
+    return model, (torch.randn(2, 3, 16, 16),), lambda logits: F.cross_entropy(logits, labels)
+
+
 def tiny_ops(count: int = 6000) -> Workload:
     """``count`` elementwise ops on 8-element tensors: per-node fixed cost dominates."""
 
@@ -276,6 +284,7 @@ if importlib.util.find_spec("torchvision") is not None:
     WORKLOADS["tv-resnet18"] = tv_resnet18
 DEFAULT = list(WORKLOADS)  # what overhead.py runs unless told; the larger models below only when named
 WORKLOADS["resnet18"] = resnet18
+WORKLOADS["resnet-small"] = resnet_small
 if importlib.util.find_spec("transformers") is not None:
     WORKLOADS["hf-gpt2-base"] = hf_gpt2_base
     WORKLOADS["hf-bert"] = hf_bert
