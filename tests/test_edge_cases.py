@@ -1023,6 +1023,64 @@ def test_global_module_hooks_of_the_users_run_on_every_module_call_during_a_trac
     assert sorted(n.module for n in result.find("AddmmBackward0")) == ["fc", "out"]
 
 
+def test_a_global_hook_registered_during_forward_runs_on_the_modules_called_after_it():
+    """As another thread's trace would register its own: from then on, modules go through torch's call."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    torch.manual_seed(0)
+    model = _Watched()
+    seen = []
+
+    def forward(x):
+        h = torch.tanh(model.fc(x))
+        handle = register_module_forward_pre_hook(lambda module, args: seen.append(type(module).__name__))
+        try:
+            return model.out(model.fails(h))
+        finally:
+            handle.remove()
+
+    model.forward = forward
+    result = trace(model, (torch.randn(2, 3),))
+    assert seen == ["Identity", "Linear"]
+    assert sorted(n.module for n in result.find("AddmmBackward0")) == ["fc", "out"]
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+class _Replicating(nn.Module):
+    """Calls a replica of its submodule made as nn.DataParallel makes them on several GPUs (a copy of the
+    module's __dict__), with an attribute of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _Scaled()
+
+    def forward(self, x):
+        replica = self.inner._replicate_for_data_parallel()
+        replica.scale = 3.0
+        return replica(x)
+
+
+def test_a_data_parallel_replica_runs_its_own_forward_during_a_trace():
+    torch.manual_seed(0)
+    model = nn.DataParallel(_Replicating())  # without GPUs, it calls its module
+    x = torch.randn(2, 3)
+    result = trace(model, (x,))
+    with torch.no_grad():
+        expected = float((model.module.inner.fc(x) * 3.0).sum())
+    assert result.meta.loss == pytest.approx(expected, rel=1e-6)
+    assert one(result, "AddmmBackward0").module == "module.inner.fc"  # the replica's submodule is the original's
+    assert one(result, "MulBackward0").module == "module"  # the replica is no module of the model's
+
+
 def test_a_loss_fn_that_runs_a_backward_of_its_own_leaves_grad_as_found():
     """.grad is kept from before forward: a loss_fn's own backward(retain_graph=True) does not stay in it."""
     torch.manual_seed(0)
