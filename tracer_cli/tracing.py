@@ -325,7 +325,7 @@ class _ModuleTracker:
         self.held: dict[int, _Leaf] = {}
         self._local = threading.local()
         self._handles: list[Any] = []
-        self._direct: list[tuple[Any, Any]] = []  # (module, its own _compiled_call_impl before) (see _call_directly)
+        self._direct: list[tuple[Any, bool]] = []  # (module, whether it held _compiled_call_impl = None) (see _call_directly)
         self._record_thread: int | None = None
         self.compiled = False  # whether the model holds a torch.compile'd module
         self.scripted_root = False  # whether the model itself is a TorchScript module (no hooks: see root_call)
@@ -482,7 +482,7 @@ class _ModuleTracker:
             state = module.__dict__
             if type(module).__call__ is not wrapped or state.get("_compiled_call_impl") is not None:
                 continue
-            self._direct.append((module, state.get("_compiled_call_impl", _MISSING)))
+            self._direct.append((module, "_compiled_call_impl" in state))  # (and then None)
             state["_compiled_call_impl"] = direct(name, module, id(module) in opaque)
 
     # _enter and _exit run on every module call: _mark() inlined, and _stack() in _enter (a Python call
@@ -558,11 +558,11 @@ class _ModuleTracker:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module, before in self._direct:
-            if before is _MISSING:
-                module.__dict__.pop("_compiled_call_impl", None)
+        for module, held_none in self._direct:
+            if held_none:
+                module.__dict__["_compiled_call_impl"] = None
             else:
-                module.__dict__["_compiled_call_impl"] = before
+                module.__dict__.pop("_compiled_call_impl", None)
         self._direct.clear()
 
 
