@@ -756,6 +756,30 @@ def test_shared_and_sparse_buffers_are_put_back():
     assert not sparse.hits.to_dense().any()
 
 
+class _ReadOnlyBuffers(nn.Module):
+    """Buffers that no copy can be written into, beside a BatchNorm whose running statistics a forward changes."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(1).expand(4))  # every element one memory location
+        with torch.inference_mode():
+            self.register_buffer("offset", torch.full((4,), 0.5))  # written to only in inference mode
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(x * self.scale + self.offset)
+
+
+def test_buffers_that_cannot_be_written_are_left_and_the_others_put_back():
+    torch.manual_seed(0)
+    model = _ReadOnlyBuffers()
+    before = {name: (buffer, buffer.clone()) for name, buffer in model.named_buffers()}
+    trace(model, torch.randn(8, 4))
+    for name, (buffer, copy) in before.items():
+        assert model.get_buffer(name) is buffer and torch.equal(buffer, copy), name
+    assert int(model.norm.num_batches_tracked) == 0
+
+
 def test_lazy_modules_are_traced():
     """Lazy modules have no parameter or buffer values until their first call: traced on that call, the
     gradients are those of a plain backward of an identical model."""
