@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
 import shutil
 import subprocess
@@ -173,8 +172,10 @@ def main() -> None:
         subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(library), str(folder / "marker.c")], check=True)
         dumps = folder / "dumps"
         dumps.mkdir()
-        # the interpreter itself, not a wrapper script (pyenv's shims) that valgrind would count instead
-        python = os.path.realpath(sys.executable)
+        # the interpreter as it was started (sys.executable is the binary even when a shim started it), not with
+        # its symlinks resolved: a virtual environment's python is a symlink, and resolved it is the base
+        # interpreter, without the environment's packages
+        python = sys.executable
         command = [
             "valgrind", "--tool=callgrind", f"--callgrind-out-file={dumps}/callgrind.%p", python, __file__,
             *options.workloads, "--steps", str(options.steps), "--measure", str(library),
