@@ -253,8 +253,9 @@ def _restore_buffers(saved: list[tuple[Any, str, Any, Any]]) -> None:
                     module._buffers[name] = buffer
                 # every buffer copied back, not only those that differ: the version counter cannot tell
                 # (batch_norm updates its running statistics in place without bumping it), and a comparison
-                # reads a GPU's answer back, a synchronisation per buffer; a copy costs the CPU no more
-                # (measured on ResNet-18's 60 buffers after a forward in train mode: all of them differ).
+                # reads a GPU's answer back, a synchronisation per buffer. On the CPU, after a forward in train
+                # mode (every BatchNorm buffer differs), copying alone is faster: ResNet-18's 60 buffers 0.30
+                # against 0.42 ms; in eval mode (none differs) it costs a little more, 0.20 against 0.13.
                 # Through .data, which leaves the version counter as it is: a backward of the caller's still
                 # pending (trace() called between their forward and backward) saved these very buffers
                 if buffer.layout is not torch.strided:
