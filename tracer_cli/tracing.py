@@ -1829,8 +1829,11 @@ class _TraceSession:
             modules[position] = module
         created: list[int | None] = [None] * len(kept)
         made = list(itertools.filterfalse(leaves.__contains__, range(len(kept))))
-        creation = sorted(itertools.filterfalse(backward.__contains__, made), key=seqs.__getitem__)
-        creation += sorted(filter(backward.__contains__, made), key=seqs.__getitem__)  # threads number apart
+        if backward:
+            creation = sorted(itertools.filterfalse(backward.__contains__, made), key=seqs.__getitem__)
+            creation += sorted(filter(backward.__contains__, made), key=seqs.__getitem__)  # threads number apart
+        else:
+            creation = sorted(made, key=seqs.__getitem__)
         deque(map(created.__setitem__, creation, range(len(creation))), maxlen=0)  # each node's rank
         orders = list(map(first_call.get, keep))
         grad_inputs = list(map(sent.__getitem__, map(first_call.get, keep, repeat(-1))))
