@@ -20,6 +20,8 @@ that the machine's noise gives the ratio). Methods:
   step; a parameterless chain's input requires grad in both);
 - input-grad: ``trace(..., input_grad=True)``, as ``gradtrace run`` traces: floating inputs require
   grad, which costs a model a backward through its first layer to the input that the plain step skips;
+- forward-values: ``trace(..., forward_stats=True)``, as ``gradtrace run --json`` and torchrun runs trace:
+  also the norm of every op's output in forward (a TorchFunctionMode call per op);
 - anomaly: the plain step under ``torch.autograd.detect_anomaly(check_nan=True)``;
 - floor: a minimal hook on every node that keeps one norm per gradient tensor (no attribution,
   no shapes): the least any per-node tracer can do;
@@ -73,6 +75,10 @@ def traced_input_grad(model, args, loss_fn) -> None:
     trace(model, args, loss_fn=loss_fn, input_grad=True)
 
 
+def traced_forward_values(model, args, loss_fn) -> None:
+    trace(model, args, loss_fn=loss_fn, forward_stats=True)
+
+
 def anomaly(model, args, loss_fn) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -118,6 +124,7 @@ METHODS: dict[str, Callable[..., None]] = {
     "plain": plain,
     "gradtrace": traced,
     "input-grad": traced_input_grad,
+    "forward-values": traced_forward_values,
     "anomaly": anomaly,
     "floor": floor,
 }
@@ -216,7 +223,7 @@ def main() -> None:
         ratios = " | ".join(f"{medians[m] / medians['plain']:.2f}" for m in METHODS if m != "plain")
         print(f"| {name} | {medians['plain'] * 1e3:.1f} | {ratios} | {spread(times['gradtrace'], times['plain'])} |", flush=True)
     if options.memory:
-        peaks = {m: peak_memory(m) for m in ("plain", "gradtrace", "floor")}
+        peaks = {m: peak_memory(m) for m in ("plain", "gradtrace", "forward-values", "floor")}
         results["peak_memory_mib"] = peaks
         print(f"\npeak memory growth of one step, large activations ({big_activations.__doc__.strip()}):")
         for m, mib in peaks.items():

@@ -329,3 +329,106 @@ def test_post_accumulate_grad_hooks_of_a_reentrant_checkpoint_s_parameters_are_h
         param.register_post_accumulate_grad_hook(lambda p: steps.append(p))
     result = trace(lambda x: outer(checkpoint(inner, x, use_reentrant=True)).sum(), torch.randn(2, 4), input_grad=True)
     assert steps == [] and "inner.weight" in dict(result.param_grads)
+
+
+def _written_in_place(x, values=None):
+    """Small forward values, each changed in place by a later op, in every way the forward mode must see
+    coming. With ``values``, the norm of what each op made, taken at once (the independent record)."""
+
+    def made(tensor):
+        if values is not None:
+            values.append(float(tensor.detach().double().norm()))
+        return tensor
+
+    a = made(x * 2.0)
+    made(a.add_(1.0))  # an in-place method
+    b = made(a * 3.0)
+    made(torch.nn.functional.relu(b, inplace=True))  # `inplace` by name, as nn.ReLU(inplace=True) passes it
+    c = made(b - 1.5)
+    made(torch.nn.functional.leaky_relu(c, 0.1, True))  # and by position
+    d = made(c * 1.0)
+    d[0] = 7.0  # __setitem__: the node is CopySlices
+    made(d)
+    e = made(d * 2.0)
+    e.data.mul_(3.0)  # under .data: no node, no version change, but the mode sees the write
+    f = made(e + 0.0)
+    made(torch.ops.aten.add_.Tensor(f, torch.ones_like(f)))  # an operator's in-place overload
+    g = made(f * 1.0)
+    g += 1.0  # __iadd__
+    made(g)
+    return g.sum()
+
+
+def test_forward_values_are_read_before_an_op_changes_them_in_place():
+    """Small forward values wait for a batched norm: each must still be the value its op made, not what a
+    later in-place op left in the tensor (compared with norms taken at once in a plain run)."""
+    x = torch.randn(8)
+    expected: list[float] = []
+    with torch.no_grad():
+        _written_in_place(x.clone(), expected)
+    result = trace(_written_in_place, (x,), forward_stats=True)
+    made = sorted((n for n in result.nodes if n.created is not None and n.forward is not None), key=lambda n: n.created)
+    assert len(made) == len(expected) + 1  # and the loss's sum
+    for node, value in zip(made, expected):
+        assert node.forward.norm == pytest.approx(value, rel=1e-6), node.label()
+    assert [n.name for n in made[:3]] == ["MulBackward0", "AddBackward0", "MulBackward0"]
+
+
+def test_more_forward_values_than_wait_at_once_all_get_theirs():
+    """Past PENDING_CALLS waiting values the batch is normed and a new one begins; every value is its own."""
+    count = tracing.PENDING_CALLS * 2 + 7
+    x = torch.randn(8)
+    expected = [float(((x * 1.01**k) * 1.0).double().norm()) for k in range(1, count + 1)]
+
+    def chain(x):
+        for _ in range(count):
+            x = x * 1.01
+        return x.sum()
+
+    result = trace(chain, (x,), forward_stats=True)
+    muls = sorted(result.find("MulBackward0"), key=lambda n: n.created)
+    assert [n.forward.norm for n in muls] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_forward_value_changed_where_the_mode_cannot_see_is_left_unknown():
+    """A waiting value changed in place out of the forward mode's sight (as a C++ extension's op would) is
+    unknown: its version tells, and it is not read as changed."""
+
+    def changes_its_input(t):
+        with torch._C.DisableTorchFunction():  # what a C++ extension's op does, out of the mode's sight
+            t.mul_(5.0)
+        return t
+
+    def model(x):
+        a = x * 2.0
+        changes_its_input(a)
+        return (a * 1.0).sum()
+
+    x = torch.randn(8)
+    result = trace(model, (x,), forward_stats=True)
+    made, unseen, last = sorted(result.find("MulBackward0"), key=lambda n: n.created)  # unseen: the mul_
+    assert made.forward is None and unseen.forward is None
+    assert last.forward.norm == pytest.approx(float((x * 10.0).norm()), rel=1e-6)
+
+
+def test_forward_values_of_views_of_a_large_output_are_its_norm_until_it_changes():
+    """A large output is normed once per block of memory: its transpose and its flat view share the norm,
+    unless the block was written in place since (compared with norms taken independently)."""
+    x = torch.randn(200, 100)  # more elements than SMALL_NUMEL: normed at once
+    assert x.numel() > tracing.SMALL_NUMEL
+
+    def model(x):
+        y = x * 2.0
+        t = y.t()  # the same block
+        a = t * 1.0
+        y.mul_(3.0)  # changed in place
+        flat = y.view(-1)  # the same block, changed
+        return a.sum() + flat.sum()
+
+    result = trace(model, (x,), forward_stats=True)
+    made = sorted((n for n in result.nodes if n.created is not None and n.forward is not None), key=lambda n: n.created)
+    names = [n.name for n in made]
+    assert names[:5] == ["MulBackward0", "TBackward0", "MulBackward0", "MulBackward0", "ViewBackward0"], names
+    norm = float(x.double().norm())
+    for node, value in zip(made, [2 * norm, 2 * norm, 2 * norm, 6 * norm, 6 * norm]):
+        assert node.forward.norm == pytest.approx(value, rel=1e-5), node.label()

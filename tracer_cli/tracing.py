@@ -38,6 +38,7 @@ import copy
 import dataclasses
 import functools
 import gc
+import inspect
 import itertools
 import math
 import operator
@@ -148,8 +149,6 @@ def _closure(function: Any) -> list[tuple[str, Any]]:
 
 def _unwrapped(function: Any) -> Any:
     """The function a decorator wrapped (``functools.wraps`` sets ``__wrapped__``), or the function itself."""
-    import inspect
-
     try:
         return inspect.unwrap(function) if callable(function) else function
     except ValueError:  # a cycle of __wrapped__
@@ -837,6 +836,44 @@ class _SiteRecorder:
         return self.starts, self.sites
 
 
+# _writes(): an in-place op (it changes its first argument); another op that may write; from _INPLACE_AT up, a
+# function whose `inplace` parameter, at position (value - _INPLACE_AT), says whether it writes
+_WRITES_FIRST, _MAY_WRITE, _INPLACE_AT = 1, 2, 3
+
+
+def _writes(func: Any) -> int:
+    """Whether an op may change a tensor in place: _WRITES_FIRST for an in-place op, which changes its first
+    argument (``add_``, ``x += y`` through ``__iadd__``, ``x |= m``, ``h[0, 3] = v``, ``torch.ops.aten.add_.Tensor``;
+    not ``__getitem__`` or ``__rsub__``); _MAY_WRITE for an operator whose schema writes (an ``out=`` variant);
+    _INPLACE_AT plus its position for a function with an ``inplace`` parameter (``F.relu(x, True)`` passes it by
+    position, ``nn.ReLU`` by name); 0 for others."""
+    import torch
+
+    name = getattr(func, "__name__", "")
+    base = name.partition(".")[0]  # an operator's overload: add_.Tensor
+    if name == "__setitem__" or (base.endswith("_") and not base.startswith("__")):
+        return _WRITES_FIRST
+    if name.startswith("__i") and hasattr(torch.Tensor, f"__{name[3:]}"):
+        return _WRITES_FIRST
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        return _MAY_WRITE if getattr(schema, "is_mutable", False) else 0
+    try:
+        parameters = list(inspect.signature(func).parameters)
+    except Exception:  # no signature (a builtin, as a Tensor method is): its name said it all
+        return 0
+    return _INPLACE_AT + parameters.index("inplace") if "inplace" in parameters else 0
+
+
+def _may_write(writes: int, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of an op that :func:`_writes` classified may change a tensor in place."""
+    if writes >= _INPLACE_AT:
+        at = writes - _INPLACE_AT
+        inplace = args[at] if len(args) > at else kwargs.get("inplace")
+        return isinstance(inplace, int) and bool(inplace)  # a bool, or 1 (not a tensor, whose truth may raise)
+    return bool(writes) or "out" in kwargs
+
+
 @functools.cache  # a class made once, not per trace
 def _forward_mode_class() -> type:
     import torch
@@ -854,12 +891,23 @@ def _forward_mode_class() -> type:
             super().__init__()
             self.session = session
             self.sites = sites
+            self.writes: dict[Any, int] = {}  # func -> how it may write in place (_writes()), asked once per func
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if kwargs is None:
                 kwargs = {}
             if is_compiling():  # torch.compile traces modes: stay out of its way (its region is one node)
                 return func(*args, **kwargs)
+            session = self.session
+            if session.forward_stats:
+                try:
+                    writes = self.writes.get(func)
+                    if writes is None:
+                        writes = self.writes[func] = _writes(func)
+                except TypeError:  # an unhashable callable
+                    writes = _writes(func)
+                if session.forward_pending and (writes or kwargs) and _may_write(writes, args, kwargs):
+                    session.flush_forward()  # values waiting for a batched norm are taken before the op may change them
             sites = self.sites
             if sites is None:
                 output = func(*args, **kwargs)
@@ -875,18 +923,13 @@ def _forward_mode_class() -> type:
                         site = None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
                     sites.starts += (first, after)
                     sites.sites += (site, None)
-            if self.session.forward_stats:
-                self.session.record_forward(output)
-                name = getattr(func, "__name__", "")
-                in_place = name == "__setitem__" or (  # add_, x += y; x |= m (__ior__); not __getitem__ or __rsub__
-                    (name.endswith("_") and not name.startswith("__"))
-                    or (name.startswith("__i") and hasattr(torch.Tensor, f"__{name[3:]}"))
-                )
-                if args and in_place and isinstance(args[0], torch.Tensor):
+            if session.forward_stats:
+                session.record_forward(output)
+                if writes == _WRITES_FIRST and args and isinstance(args[0], torch.Tensor):
                     # an in-place op (h[0, 3] = x returns None): the tensor it changed, and the tensor a changed
                     # view belongs to, whose node (CopySlices) the ops after it use
                     changed = args[0]
-                    self.session.record_forward(changed if changed._base is None else (changed, changed._base))
+                    session.record_forward(changed if changed._base is None else (changed, changed._base))
             return output
 
     return _ForwardMode
@@ -1350,6 +1393,8 @@ class _TraceSession:
         self.custom_calls: dict[int, tuple] = {}
         # id(grad_fn) -> (grad_fn, slot of the forward value it produced); the node is kept so its id stays its own
         self.forward_values: dict[int, tuple[Any, int]] = {}
+        # forward values waiting for a batched norm: (their forward_values entry, the tensor, its version then)
+        self.forward_pending: list[tuple[tuple[Any, int], Any, int]] = []
         self.param_grads: list[tuple[str, int]] = []
 
     # --- discovery -------------------------------------------------------------
@@ -1426,6 +1471,7 @@ class _TraceSession:
                 self.backward_sites[node_id] = site
                 self.backward_ids[node_id] = (nodes[node_id]._sequence_nr(), nodes[node_id].name())
         if self.forward_stats:
+            self.flush_forward()
             with self._torch.no_grad():
                 for node_id in range(start, len(nodes)):
                     node = nodes[node_id]
@@ -1438,12 +1484,26 @@ class _TraceSession:
                             self.forward_slots[node_id] = recorded[1]
 
     def record_forward(self, output: Any) -> None:
-        """Queue the norm of an op's output tensors under the node that produced them."""
+        """Queue the norm of an op's output tensors under the node that produced them.
+
+        A plain tensor of up to SMALL_NUMEL elements waits for a batched norm (:meth:`flush_forward`), held
+        with its version: the mode takes waiting values before an op that may change one in place, and a value
+        changed by other means meanwhile is left unknown rather than read as changed (a write torch does not
+        count, through NumPy's view of a tensor, is not seen: autograd does not see it either). A larger one is
+        normed at once, as a gradient is (:meth:`_slot_now`)."""
         try:
-            if type(output) is self._torch.Tensor:  # most ops: one plain tensor, normed detached (no graph)
+            if type(output) is self._plain:  # most ops: one plain tensor, normed detached (no graph)
                 grad_fn = output.grad_fn
                 if grad_fn is not None:
-                    self.forward_values[id(grad_fn)] = (grad_fn, self.stats.now(output.detach()))
+                    if output.numel() > SMALL_NUMEL:  # normed at once, once per block of memory: a view that
+                        with self._torch.no_grad():  # transposes or reshapes an output has its norm
+                            self.forward_values[id(grad_fn)] = (grad_fn, self._slot_now(output))
+                        return
+                    entry = (grad_fn, NO_VALUE)  # until the flush, unless a later record of this node replaces it
+                    self.forward_values[id(grad_fn)] = entry
+                    self.forward_pending.append((entry, output, output._version))
+                    if len(self.forward_pending) >= PENDING_CALLS:
+                        self.flush_forward()
                 return
             grouped: dict[int, list[Any]] = {}
             for tensor in _tensors_in(output, self._torch.Tensor):
@@ -1455,6 +1515,22 @@ class _TraceSession:
                     tensors = [t.detach() for t in tensors]
                     slot = self.stats.now(tensors[0]) if len(tensors) == 1 else self.stats.combined(tensors)
                     self.forward_values[key] = (grad_fn, slot)
+        except Exception:  # never break the user's forward; report after it
+            self.errors.append(traceback.format_exc())
+
+    def flush_forward(self) -> None:
+        """Take the norms of the forward values that wait (:meth:`record_forward`), in batches."""
+        pending, self.forward_pending = self.forward_pending, []
+        if not pending:
+            return
+        try:
+            with self._torch.no_grad():
+                slots = self.stats.batch([tensor for _, tensor, _ in pending])
+            values = self.forward_values
+            for entry, tensor, version in pending:
+                grad_fn = entry[0]
+                if values.get(id(grad_fn)) is entry:  # not recorded again since
+                    values[id(grad_fn)] = (grad_fn, slots[id(tensor)] if tensor._version == version else NO_VALUE)
         except Exception:  # never break the user's forward; report after it
             self.errors.append(traceback.format_exc())
 
@@ -2385,8 +2461,9 @@ def trace(
         session.sites = _SiteRecorder(stacks) if sources or stacks else None
         session.replay = replay
         # creation sites from line events, unless something else traces this thread (a debugger, coverage),
-        # the model holds a torch.compile'd module, or --stack wants whole stacks: then from a mode, per op
-        by_lines = session.sites is not None and not stacks and sys.gettrace() is None and not tracker.compiled
+        # the model holds a torch.compile'd module, or --stack wants whole stacks: then from a mode, per op. With
+        # forward values, a mode runs per op anyway, and line tracing would slow its every frame: the mode's
+        by_lines = session.sites is not None and not (stacks or forward_stats or tracker.compiled) and sys.gettrace() is None
         with contextlib.ExitStack() as forward_context:
             if forward_stats or (session.sites is not None and not by_lines):
                 forward_context.enter_context(_forward_mode_class()(session, None if by_lines else session.sites))
