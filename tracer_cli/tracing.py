@@ -962,6 +962,7 @@ TINY_NORM_64 = 2.0**-480
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entered once per hook call that queues norms at once
 _SHAPE, _DTYPE, _LAYOUT = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("layout")
+_VERSION = operator.attrgetter("_version")
 
 
 class _Stats:
@@ -1243,13 +1244,11 @@ class _Stats:
         rows = stacked.reshape(len(stacked), math.prod(stacked.shape[1:]))  # (-1 fails on empty tensors)
         if dtype in self._narrow and rows.numel() <= DIRECT_WIDE_NUMEL:
             norms = self._vector_norm(rows, dim=1, dtype=self._float64)  # holds their squares: no range to check
-        elif dtype in self._wide:
-            norms = self._vector_norm(rows, dim=1)
         else:
-            norms = self._vector_norm(rows, dim=1, dtype=self._float32)
-        if self._out_of_range(stacked, norms, False):  # only those rows are taken again
-            suspect = (norms < self._tiny[norms.dtype][1]) | norms.isinf()
-            norms = self._torch.where(suspect, self._scaled_norms(rows), norms.to(self._float64))
+            norms = self._vector_norm(rows, dim=1) if dtype in self._wide else self._vector_norm(rows, dim=1, dtype=self._float32)
+            if self._out_of_range(stacked, norms, False):  # only those rows are taken again
+                suspect = (norms < self._tiny[norms.dtype][1]) | norms.isinf()
+                norms = self._torch.where(suspect, self._scaled_norms(rows), norms.to(self._float64))
         first = self.value(norms)
         return range(first, first + len(norms))
 
@@ -1524,13 +1523,17 @@ class _TraceSession:
         if not pending:
             return
         try:
+            entries, tensors, versions = zip(*pending)
             with self._torch.no_grad():
-                slots = self.stats.batch([tensor for _, tensor, _ in pending])
-            values = self.forward_values
-            for entry, tensor, version in pending:
-                grad_fn = entry[0]
-                if values.get(id(grad_fn)) is entry:  # not recorded again since
-                    values[id(grad_fn)] = (grad_fn, slots[id(tensor)] if tensor._version == version else NO_VALUE)
+                slots = self.stats.batch(list(tensors))
+            # C-level passes (this runs for every op's output): a value whose tensor changed since has none, and
+            # an entry recorded again since (the node's last record stands) is left as it is
+            unchanged = map(operator.eq, map(_VERSION, tensors), versions)
+            taken = [slot if same else NO_VALUE for slot, same in zip(map(slots.__getitem__, map(id, tensors)), unchanged)]
+            grad_fns = list(map(operator.itemgetter(0), entries))
+            keys = list(map(id, grad_fns))
+            current = map(operator.is_, map(self.forward_values.get, keys), entries)
+            self.forward_values.update(itertools.compress(zip(keys, zip(grad_fns, taken)), current))
         except Exception:  # never break the user's forward; report after it
             self.errors.append(traceback.format_exc())
 
