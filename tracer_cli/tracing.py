@@ -1491,7 +1491,7 @@ class _TraceSession:
         count, through NumPy's view of a tensor, is not seen: autograd does not see it either). A larger one is
         normed at once, as a gradient is (:meth:`_slot_now`)."""
         try:
-            if type(output) is self._plain:  # most ops: one plain tensor, normed detached (no graph)
+            if type(output) is self._plain:  # most ops: one plain tensor (normed under no_grad: no graph)
                 grad_fn = output.grad_fn
                 if grad_fn is not None:
                     if output.numel() > SMALL_NUMEL:  # normed at once, once per block of memory: a view that
@@ -2465,7 +2465,7 @@ def trace(
         session.replay = replay
         # creation sites from line events, unless something else traces this thread (a debugger, coverage),
         # the model holds a torch.compile'd module, or --stack wants whole stacks: then from a mode, per op. With
-        # forward values, a mode runs per op anyway, and line tracing would slow its every frame: the mode's
+        # forward values, a mode runs per op anyway (line tracing would slow its every frame): it records them
         by_lines = session.sites is not None and not (stacks or forward_stats or tracker.compiled) and sys.gettrace() is None
         with contextlib.ExitStack() as forward_context:
             if forward_stats or (session.sites is not None and not by_lines):
