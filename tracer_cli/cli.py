@@ -320,7 +320,8 @@ def run(
     json_path: Optional[str] = typer.Option(
         None, "--json", metavar="PATH", help="Write the trace as JSON to PATH; '-' writes it alone to stdout "
         "(what the model prints goes to stderr). Under torchrun rank 0 writes one file with every rank and the "
-        "comparison.",
+        "comparison. The file holds each node's forward value too (for gradtrace diff), recorded per op in "
+        "forward, which makes the step slower.",
         show_default=False,
     ),
     view: View = _VIEW,
