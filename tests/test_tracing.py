@@ -200,11 +200,12 @@ def test_loss_without_grad_is_a_model_error():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_no_host_sync_per_node_on_cuda(monkeypatch):  # pragma: no cover - runs where a GPU is available
+@pytest.mark.parametrize("forward_stats", [False, True])
+def test_no_host_sync_per_node_on_cuda(monkeypatch, forward_stats):  # pragma: no cover - runs where a GPU is available
     """Forward, hooks and backward never synchronise; statistics are read back once, at the end.
 
     The first layer's gradients are large (normed one by one as they arrive), the others small
-    (normed in batches)."""
+    (normed in batches); so are its outputs, with forward values (as --json and torchrun record them)."""
     from tracer_cli import tracing
 
     torch.manual_seed(0)
@@ -224,7 +225,7 @@ def test_no_host_sync_per_node_on_cuda(monkeypatch):  # pragma: no cover - runs 
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any synchronising call before the read-back raises
     try:
-        result = trace(model, x, loss_fn=lambda out: out.pow(2).mean())
+        result = trace(model, x, loss_fn=lambda out: out.pow(2).mean(), forward_stats=forward_stats)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(reads) == 1
@@ -233,9 +234,24 @@ def test_no_host_sync_per_node_on_cuda(monkeypatch):  # pragma: no cover - runs 
     expected = plain_grads(model, (x,), loss_fn=lambda out: out.pow(2).mean())
     for name in ("0.weight", "3.0.weight", "22.0.weight"):
         assert result.leaf(name).grad_outputs[0].norm == pytest.approx(float(expected[name].norm()), rel=1e-4)
+    if forward_stats:
+        _check_forward_values(model, x, result)
 
 
-def test_no_host_read_per_node_on_cpu(monkeypatch):
+def _check_forward_values(model, x, result):
+    """The forward values of the first layer (a large output) and of the last block's (small ones), against
+    the same layers run again."""
+    with torch.no_grad():
+        first = model[0](x)
+        last = model[:-1](x)
+        outputs = {"0": first, "22.0": model[-1][0](last), "22.1": model[-1](last)}
+    for module, value in outputs.items():
+        (node,) = [n for n in result.nodes if n.module == module and n.forward is not None and n.param is None]
+        assert node.forward.norm == pytest.approx(float(value.norm()), rel=1e-4), node.label()
+
+
+@pytest.mark.parametrize("forward_stats", [False, True])
+def test_no_host_read_per_node_on_cpu(monkeypatch, forward_stats):
     """What would synchronise with a GPU, checked on the CPU: no value is read to the host (``item()``,
     ``bool()``, ``tolist()``, ``.cpu()``...) before the one read-back of every statistic at the end.
 
@@ -288,13 +304,15 @@ def test_no_host_read_per_node_on_cpu(monkeypatch):
     x = torch.randn(128, 256)
     assert model[0].weight.numel() > tracing.SMALL_NUMEL >= 128 * 16  # large gradients and small ones
     with HostReads():
-        result = trace(model, x, loss_fn=lambda out: out.pow(2).mean())
+        result = trace(model, x, loss_fn=lambda out: out.pow(2).mean(), forward_stats=forward_stats)
     assert early == []
     assert len(reads) == 1
     assert all(n.order is not None for n in result.nodes)
     expected = plain_grads(model, (x,), loss_fn=lambda out: out.pow(2).mean())
     for name in ("0.weight", "3.0.weight", "22.0.weight"):
         assert result.leaf(name).grad_outputs[0].norm == pytest.approx(float(expected[name].norm()), rel=1e-4)
+    if forward_stats:
+        _check_forward_values(model, x, result)
 
 
 # ops that read a tensor's values to the host (a sync on CUDA): item(), bool(), data-dependent shapes
