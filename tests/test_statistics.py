@@ -8,6 +8,8 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tracer_cli import trace, tracing
 
@@ -432,3 +434,103 @@ def test_forward_values_of_views_of_a_large_output_are_its_norm_until_it_changes
     norm = float(x.double().norm())
     for node, value in zip(made, [2 * norm, 2 * norm, 2 * norm, 6 * norm, 6 * norm]):
         assert node.forward.norm == pytest.approx(value, rel=1e-5), node.label()
+
+
+def _exact_norm(tensor):
+    """The norm of a tensor's elements as it reads them, in float64 scaled by the largest (no square leaves
+    float64), with an infinity or a NaN kept: computed from a contiguous copy, apart from tracing's code."""
+    values = tensor.contiguous().double().reshape(-1)
+    if values.numel() == 0:
+        return 0.0
+    if not values.isfinite().all():
+        return float(values.abs().max()) if not values.isnan().any() else math.nan
+    largest = values.abs().max()
+    return float(largest * (values / largest).norm()) if largest > 0 else 0.0
+
+
+@st.composite
+def _strided_views(draw):
+    """A view of a random base through random sizes and strides (stride 0 expands; strides may overlap or
+    leave gaps), some permuted and sliced: the layouts a gradient or a forward value may come in."""
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+    dims = draw(st.integers(1, 4))
+    sizes = draw(st.lists(st.integers(0, 40), min_size=dims, max_size=dims))
+    strides = draw(st.lists(st.sampled_from([0, 1, 2, 3, 7, 40, 41, 1600]), min_size=dims, max_size=dims))
+    scale = draw(st.sampled_from([1.0, 1e-30, 1e25, math.inf]))
+    span = 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides) if size)
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    base = torch.randn(span + 5, generator=generator, dtype=torch.float64)
+    if scale == math.inf:
+        base[::7] = -math.inf  # a mask
+    else:
+        base *= scale
+    base = base.to(dtype)
+    view = base[draw(st.integers(0, 5)) :].as_strided(sizes, strides)
+    order = draw(st.permutations(range(dims)))
+    return view.permute(*order)
+
+
+@given(_strided_views())
+@settings(max_examples=300, deadline=None)
+def test_norms_of_strided_views_match_an_exact_norm(view):
+    """Any layout, normed by tracing's own route for it (one block flat, rows of a long innermost run, expanded
+    dimensions counted, a mask of infinities), has the exact norm of its elements within float32 rounding;
+    squares that leave float32 (elements of 1e-30, 1e25) are not lost."""
+    stats = tracing._Stats()
+    position = stats._norm(view)
+    assert position != tracing.NO_VALUE
+    got = stats.read()[position]
+    expected = _exact_norm(view)
+    if math.isnan(expected):
+        assert math.isnan(got)
+    else:
+        # float32 sums over up to ~10^6 elements (a norm over every dimension at once rounds most)
+        assert got == pytest.approx(expected, rel=1e-4, abs=0)
+
+
+@given(_strided_views(), st.data())
+@settings(max_examples=200, deadline=None)
+def test_views_that_share_a_norm_read_the_same_elements(view, data):
+    """Two views of one memory with the same key (``_elements_key``) have the same exact norm: the key is
+    shared by reshapes and permutations over the same elements, never by views that read others."""
+    session = tracing._TraceSession({}, {}, None)
+    other = view.permute(*data.draw(st.permutations(range(view.dim()))))
+    if data.draw(st.booleans()) and other.is_contiguous():
+        other = other.reshape(-1)  # a flat view of the same elements
+    if data.draw(st.booleans()) and view.dim() and view.shape[-1] > 1:
+        other = view[..., 1:]  # a slice: other elements, another key
+    key, other_key = session._elements_key(view), session._elements_key(other)
+    if key == other_key:
+        assert _exact_norm(view) == pytest.approx(_exact_norm(other), rel=1e-9, abs=0, nan_ok=True)
+    elif view.numel() == other.numel() and view.stride() == other.stride() and view.shape == other.shape:
+        raise AssertionError("the same layout got two keys")
+
+
+def _attention(x, qkv, mask):
+    """A chunked projection into heads, scores masked with -inf: views of column slices (not one block
+    of memory), and a large forward value whose norm is infinite."""
+    q, k, v = (x @ qkv).split(64, dim=-1)  # column slices of a (4, 128, 192) output
+    heads = [t.view(4, 128, 4, 16).transpose(1, 2) for t in (q, k, v)]
+    scores = (heads[0] @ heads[1].transpose(-2, -1)).masked_fill(mask, -math.inf)
+    return (scores.softmax(-1) @ heads[2]).transpose(1, 2).reshape(4, 128, 64).square().sum()
+
+
+def test_forward_values_and_gradients_of_sliced_heads_and_masked_scores():
+    """Views of a column slice share the slice's norm; a masked output's forward value is infinite; every
+    norm against a norm taken independently (forward values from the ops run again, gradients in a hook)."""
+    torch.manual_seed(0)
+    x, qkv = torch.randn(4, 128, 64), torch.randn(64, 192) / 8
+    mask = torch.ones(128, 128, dtype=torch.bool).triu(1)
+    result = trace(_attention, (x, qkv, mask), forward_stats=True)
+    compare_with_hooks(result, _reference_loss(lambda x, qkv: _attention(x, qkv, mask), (x, qkv)))
+    projected = x @ qkv
+    q = projected.split(64, dim=-1)[0]
+    assert q.numel() > tracing.SMALL_NUMEL  # normed at once, and shared by its views
+    (split,) = result.find("SplitBackward0")
+    assert split.forward.norm == pytest.approx(float(projected.double().norm()), rel=1e-5)
+    views = [n for n in result.find("ViewBackward0") if n.forward is not None]
+    norms = sorted(float(t.double().norm()) for t in projected.split(64, dim=-1))
+    assert len(views) == 3
+    assert sorted(n.forward.norm for n in views) == pytest.approx(norms, rel=1e-5)
+    (masked,) = result.find("MaskedFillBackward0")
+    assert masked.forward.norm == math.inf
