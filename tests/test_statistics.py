@@ -534,3 +534,17 @@ def test_forward_values_and_gradients_of_sliced_heads_and_masked_scores():
     assert sorted(n.forward.norm for n in views) == pytest.approx(norms, rel=1e-5)
     (masked,) = result.find("MaskedFillBackward0")
     assert masked.forward.norm == math.inf
+
+
+def test_a_backend_that_refuses_a_strided_route_gets_a_norm_of_all(monkeypatch):
+    """Where the runs' route fails (an op a backend lacks for a strided view), the norm of every element is
+    taken as it is, not left unknown."""
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("no strided dot here")
+
+    monkeypatch.setattr(tracing._Stats, "_norm_of_runs", refuse)
+    view = torch.randn(300, 200)[:, :150]
+    stats = tracing._Stats()
+    position = stats._norm(view)
+    assert stats.read()[position] == pytest.approx(_exact_norm(view), rel=1e-4, abs=0)

@@ -1027,7 +1027,10 @@ class _Stats:
                 except (RuntimeError, NotImplementedError, TypeError):  # a subclass that cannot be flattened (an
                     pass  # unevenly sharded DTensor): a norm below
             if type(tensor) is self._plain and tensor.layout is self._strided and not tensor.is_contiguous():
-                return self._norm_of_runs(tensor, *_element_runs(tensor), out)
+                try:
+                    return self._norm_of_runs(tensor, *_element_runs(tensor), out)
+                except (RuntimeError, NotImplementedError, TypeError):  # a backend without an op for a strided
+                    pass  # view (a dot of every other element): the norm below
             values = self._elements(tensor)
             # float32 or wider, so bf16/fp16 gradients do not overflow the norm
             wide = {} if tensor.dtype in self._wide else {"dtype": self._float32}
