@@ -1296,6 +1296,8 @@ class _Stats:
         slot = len(self.shapes)
         self.shapes.append((numel,))
         self.dtypes.append(self.dtypes[slots[0]])
+        if slots[0] in self.layouts:  # (not strided: as its first part)
+            self.layouts[slot] = self.layouts[slots[0]]
         positions = [self.positions[part] for part in slots]
         if NO_VALUE in positions:
             self.positions.append(NO_VALUE)
