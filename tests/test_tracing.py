@@ -466,6 +466,36 @@ def test_param_grads_changed_after_accumulation_are_read_again():
     assert float(scaled.weight.grad.norm()) == pytest.approx(10.0 * received, rel=1e-6)  # the user's backward ran it
 
 
+@pytest.mark.parametrize("width", [4, 160], ids=["small", "large"])
+def test_each_call_of_a_leaf_records_what_arrived_then(width):
+    """A parameter whose AccumulateGrad runs twice (inside a reentrant checkpoint and outside): each call
+    records the gradient that arrived then, not .grad summed in place by the second call, whether its norm
+    waits for a batch (a small gradient, held meanwhile) or is taken at once (a large one). Against a tensor
+    hook of a plain backward, which sees each arriving gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    from tracer_cli import tracing
+
+    torch.manual_seed(0)
+    first, shared = nn.Linear(width, width), nn.Linear(width, width)
+    assert (shared.weight.numel() > tracing.SMALL_NUMEL) == (width == 160)
+
+    def model(x):
+        h = checkpoint(lambda t: shared(t).tanh(), first(x), use_reentrant=True)
+        return shared(h).pow(2).sum()
+
+    x = torch.randn(3, width)
+    result = trace(model, x, input_grad=False)
+    arrived = []
+    handle = shared.weight.register_hook(lambda grad: arrived.append(float(grad.double().norm())))
+    model(x).backward()
+    handle.remove()
+    calls = result.leaf("shared.weight").calls
+    assert len(calls) == 2 == len(arrived) and arrived[0] != pytest.approx(arrived[1], rel=1e-3)
+    assert [call.grad_outputs[0].norm for call in calls] == pytest.approx(arrived, rel=1e-5)
+    assert dict(result.param_grads)["shared.weight"].norm == pytest.approx(float(shared.weight.grad.double().norm()), rel=1e-5)
+
+
 def test_sources_are_the_user_lines_that_created_each_node():
     from .reference import SAMPLES_DIR, load_sample
 
