@@ -1,6 +1,7 @@
 """How tracing time grows with the number of graph nodes: 1k, 10k and 100k-node chains.
 
     python benchmarks/scale.py                  # trace() against a plain step, per node count
+    python benchmarks/scale.py --modules        # the chains made of modules: Linear(8, 8) + ReLU layers
     python benchmarks/scale.py --cli            # also `gradtrace run ... --json` end to end on 100k nodes
 
 Each row: nodes traced, a plain forward+backward, trace() (median of a few runs), their ratio, and the
@@ -22,20 +23,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import chain  # noqa: E402
+from workloads import chain, deep_linear  # noqa: E402
 
 from tracer_cli import trace  # noqa: E402
 
 
 def _plain(model, args, loss_fn) -> None:
-    x = tuple(a.detach().requires_grad_() for a in args)
+    x = tuple(a.detach().requires_grad_(a.requires_grad) for a in args)  # a fresh leaf where the chain has one
     loss_fn(model(*x)).backward()
 
 
-def measure(nodes: int, repeats: int) -> tuple[int, float, float]:
-    model, args, loss_fn = chain(nodes)
+def measure(nodes: int, repeats: int, modules: bool = False) -> tuple[int, float, float]:
+    model, args, loss_fn = deep_linear(max(1, nodes // 5)) if modules else chain(nodes)
     plain_times, trace_times, traced = [], [], 0
     for _ in range(repeats):
+        if modules:
+            model.zero_grad(set_to_none=True)  # as trace() finds them: a plain step's .grad is made, not added to
         start = time.perf_counter()
         _plain(model, args, loss_fn)
         plain_times.append(time.perf_counter() - start)
@@ -77,13 +80,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, nargs="*", default=[1_000, 10_000, 100_000])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modules", action="store_true", help="chains of Linear(8, 8) + ReLU modules, not of ops")
     parser.add_argument("--cli", action="store_true", help="also time the CLI with --json on the largest graph")
     options = parser.parse_args()
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads" + (", chains of modules" if options.modules else ""))
     print("| nodes | plain (s) | trace (s) | ratio | trace µs/node |")
     print("|---|---|---|---|---|")
     for count in options.nodes:
-        traced, plain, traced_time = measure(count, options.repeats)
+        traced, plain, traced_time = measure(count, options.repeats, options.modules)
         print(f"| {traced} | {plain:.3f} | {traced_time:.3f} | {traced_time / plain:.2f} | "
               f"{traced_time / traced * 1e6:.1f} |", flush=True)
     if options.cli:

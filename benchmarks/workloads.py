@@ -198,6 +198,15 @@ def wide_mlp() -> Workload:
     return model, (torch.randn(64, 2048),), lambda out: out.pow(2).mean()
 
 
+def deep_linear(pairs: int = 1000) -> Workload:
+    """``pairs`` Linear(8, 8) + ReLU layers in one Sequential, batch 2: five nodes a layer, two of them a
+    parameter's AccumulateGrad, and two module calls. Costs per module and per parameter dominate, and the
+    gradients vanish on the way down (those of the first layers are about 1e-30 at 1,000 layers)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(pairs) for layer in (nn.Linear(8, 8), nn.ReLU())])
+    return model, (torch.randn(2, 8),), lambda out: out.sum()
+
+
 def big_activations() -> Workload:
     """Large activations, few parameters: where keeping gradients alive would show in peak memory."""
     model = nn.Sequential(*[nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()) for _ in range(6)])
@@ -277,6 +286,7 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
     "tiny-param": tiny_param,
     "tiny-calls": tiny_calls,
     "wide-mlp": wide_mlp,
+    "deep-linear": deep_linear,
 }
 if importlib.util.find_spec("transformers") is not None:  # not a gradtrace dependency; imported when used
     WORKLOADS["hf-gpt2"] = hf_gpt2

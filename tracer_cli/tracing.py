@@ -1959,10 +1959,11 @@ class _TraceSession:
             formatted = {site: _format_site(as_pair(site)) for site in set(sites)}
             sources = list(map(formatted.__getitem__, sites))
         params: list[str | None] = [None] * len(kept)
+        own, held, inputs = self.leaves.get, self.tracker.held.get, self.input_names.get
         for position in leaves:
-            variable = kept[position].variable
-            leaf = self.leaves.get(id(variable)) or self.tracker.held.get(id(variable))
-            params[position], modules[position] = (leaf.name, leaf.module) if leaf else (self.input_names.get(id(variable)), None)
+            key = id(kept[position].variable)
+            leaf = own(key) or held(key)
+            params[position], modules[position] = (leaf.name, leaf.module) if leaf else (inputs(key), None)
             sources[position] = stacks[position] = None
         for position in sorted(backward):  # creators come before what they create
             if position in leaves:
@@ -2036,11 +2037,9 @@ class _TraceSession:
             )
         )
         # a leaf that ran received a gradient, unless every one it got was None (a custom backward's None for it)
-        with_grad = {
-            params[p]
-            for p in leaves
-            if any(stat is not None for stats in (grad_outputs[p], *(c.grad_outputs for c in every_call[p])) for stat in stats or ())
-        }
+        with_grad = {params[p] for p in leaves if _holds_stat(grad_outputs[p])}
+        with_grad.update(params[at(old)] for old in calls if old in position_of and at(old) in leaves and any(
+            _holds_stat(call.grad_outputs) for call in every_call[at(old)]))
         # nor a .grad after backward: DDP (find_unused_parameters) fills that of a parameter this rank did not use
         with_grad |= {name for name, _ in self.param_grads}
         missing = tuple(
@@ -2256,6 +2255,11 @@ def _storage_freed(tensor: Any) -> bool:
         return tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # a subclass without storage: not this case
         return False
+
+
+def _holds_stat(stats: tuple | None) -> bool:
+    """Whether a call's statistics (None: it did not run) hold one that is not None."""
+    return bool(stats) and stats.count(None) < len(stats)
 
 
 def _intervals_at(starts: list[int], values: list[Any], seqs: list[int]) -> list[Any]:
