@@ -193,6 +193,28 @@ def test_tiny_gradients_are_not_read_as_zero(size, dtype):
     assert zero == ["zero"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale, rescaled", [(1e-24, True), (1e-33, False)], ids=["rescaled", "float64"])
+def test_a_large_gradient_whose_squares_underflow_is_normed_again_exactly(monkeypatch, dtype, scale, rescaled):
+    """A gradient normed at once whose squares underflow: its elements divided by the least norm are dotted
+    again (float32 elements of 1e-24), or, where their squares underflow too (1e-33 in float32), it is normed
+    in float64. Against float64 norms of a plain backward's ``.grad``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1 << 16, 1, bias=False).to(dtype)
+    x = torch.randn(1, 1 << 16, dtype=dtype)
+    assert model.weight.numel() > tracing.SMALL_NUMEL
+    in_float64 = []
+    scaled_norm = tracing._Stats._scaled_norm
+    monkeypatch.setattr(tracing._Stats, "_scaled_norm", lambda self, *args: in_float64.append(1) or scaled_norm(self, *args))
+    result = trace(model, (x,), loss_fn=lambda out: out.sum() * scale, input_grad=False)
+    (model(x).sum() * scale).backward()
+    expected = float(model.weight.grad.double().norm())
+    assert 0 < expected < 1e-20
+    assert result.leaf("weight").grad_norm == pytest.approx(expected, rel=1e-6, abs=0)
+    assert dict(result.param_grads)["weight"].norm == pytest.approx(expected, rel=1e-6, abs=0)
+    assert bool(in_float64) == (not rescaled and dtype == torch.float32)
+
+
 # batched: a stack small enough to be normed in float64; a larger stack (float32 norms, their range checked); at once
 @pytest.mark.parametrize("size", [8, 1 << 14, 1 << 16], ids=["batched", "batched-large", "at-once"])
 @pytest.mark.parametrize(

@@ -1152,6 +1152,16 @@ class _Stats:
                 # fallbacks are for tensor subclasses, and a plain contiguous tensor always flattens
                 flat = tensor if tensor.dim() == 1 else tensor.view(-1)
                 value, squared = self._dot(flat, flat).item(), True
+                least, smallest = self._tiny[dtype]
+                if value < least and flat.numel():
+                    # squares that underflow (vanishing gradients): every element is below the least norm, so
+                    # the elements divided by it square without underflow (unless far smaller), nor overflow. A
+                    # second dot product: a quarter to a seventh of the time of a norm in float64 on 256k to 4M
+                    # elements. The float64 norm below only where these squares underflow too
+                    scaled = flat * (1.0 / smallest)
+                    rescaled = self._dot(scaled, scaled).item()
+                    if least <= rescaled < math.inf:
+                        return self._read_now(math.sqrt(rescaled) * smallest)
             else:
                 norm, squared = self._norm_tensor(tensor)
                 if norm is None:
@@ -1160,10 +1170,7 @@ class _Stats:
             tiny = self._tiny[self._result_dtype(dtype)]
             if (value < tiny[0 if squared else 1] or value == math.inf) and tensor.numel():
                 return self.value(self._scaled_norm(tensor, value == math.inf))
-            position = self._size
-            self._size += 1
-            self._read.append((position, math.sqrt(value) if squared else value))
-            return position
+            return self._read_now(math.sqrt(value) if squared else value)
         key = (tensor.device, self._result_dtype(tensor.dtype))
         buffer = self._buffers.get(key)
         if buffer is None or buffer[2] == OUT_CHUNK:
@@ -1177,6 +1184,13 @@ class _Stats:
         if squared:
             self._squared.append(first + used)
         return first + used
+
+    def _read_now(self, norm: float) -> int:
+        """Queue a norm read already; its position."""
+        position = self._size
+        self._size += 1
+        self._read.append((position, norm))
+        return position
 
     def _new_slot(self, tensor: Any) -> int:
         slot = len(self.shapes)
