@@ -1501,8 +1501,9 @@ class _TraceSession:
                 node = nodes[node_id]
                 if type(node) is leaf_type:
                     # before it runs: what arrived, before it lands in .grad, where a post-accumulate-grad hook
-                    # (an optimizer step in backward) may change this very tensor in place. A pre-hook gets
-                    # grad_outputs alone; AccumulateGrad sends nothing on, its grad_inputs are ()
+                    # (an optimizer step in backward) may change this very tensor in place (_on_leaf: a small one
+                    # waits, held; a large one is normed then). A pre-hook gets grad_outputs alone; AccumulateGrad
+                    # sends nothing on, its grad_inputs are ()
                     add_handle(node.register_prehook(partial(on_leaf, node_id, ())))
                     self.leaf_ids.append(node_id)
                 elif isinstance(node, custom_type):
@@ -1679,8 +1680,8 @@ class _TraceSession:
         return self._on_run_now(node_id, grad_inputs, grad_outputs)
 
     def _on_run_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        """AccumulateGrad (its ``.grad`` may be this very tensor, accumulated into later), or any node with
-        ``--replay``: statistics now; with ``--replay``, the node is then run again from what it received."""
+        """AccumulateGrad with a large gradient (its ``.grad`` may be this very tensor, accumulated into later), or
+        any node with ``--replay``: statistics now; with ``--replay``, the node is then run again from what it received."""
         if self._replaying:
             return None
         try:
