@@ -1426,7 +1426,7 @@ class _TraceSession:
         # very object the next node receives, so its norm is taken once
         self._seen: dict[int, tuple[Any, int, int]] = {}
         self._blocks: dict[tuple, tuple[Any, int, int]] = {}  # the same, per set of elements in memory (_elements_key)
-        self.received: dict[int, list[list[int]]] = {}  # AccumulateGrad (and --replay) node -> grad_outputs slots, per call
+        self.received: dict[int, list[list[int]]] = {}  # AccumulateGrad node -> grad_outputs slots, per call normed at once
         self.errors: list[str] = []
         self.running_custom: list[int] = []
         self.modes: list[Any] = []
@@ -1468,7 +1468,7 @@ class _TraceSession:
                 # with the node running asked of the engine, one hook for every ordinary node (see _node_hooks)
                 dict.__setitem__(shared_hooks, self._hook_key, partial(self._run_hook, None))
         shared = shared_hooks.get(self._hook_key)
-        on_run, on_leaf = (self._on_run_now, self._on_run_now) if self.replay else (self._run_hook, self._on_leaf)
+        on_run = self._on_run_now if self.replay else self._run_hook
         start, first_handle = len(nodes), len(handles)
         for root in roots:
             if root is not None and root not in index:
@@ -1501,10 +1501,13 @@ class _TraceSession:
                 node = nodes[node_id]
                 if type(node) is leaf_type:
                     # before it runs: what arrived, before it lands in .grad, where a post-accumulate-grad hook
-                    # (an optimizer step in backward) may change this very tensor in place (_on_leaf: a small one
-                    # waits, held; a large one is normed then). A pre-hook gets grad_outputs alone; AccumulateGrad
-                    # sends nothing on, its grad_inputs are ()
-                    add_handle(node.register_prehook(partial(on_leaf, node_id, ())))
+                    # (an optimizer step in backward) may change this very tensor in place. A small one waits for
+                    # a batched norm, as an ordinary node's do: held, it is not the tensor that becomes .grad
+                    # (AccumulateGrad takes a gradient as .grad only where nothing else holds it, and copies it
+                    # otherwise), so nothing that changes .grad later (a second call's sum, an optimizer step)
+                    # changes it; a large one is normed then (_log_now), as held it would cost a copy. A pre-hook
+                    # gets grad_outputs alone; AccumulateGrad sends nothing on, its grad_inputs are ()
+                    add_handle(node.register_prehook(partial(on_run, node_id, ())))
                     self.leaf_ids.append(node_id)
                 elif isinstance(node, custom_type):
                     add_handle(node.register_prehook(partial(self._on_custom_start, node_id)))
@@ -1604,7 +1607,8 @@ class _TraceSession:
 
     # --- hooks -------------------------------------------------------------------
     def _make_run_hook(self) -> Callable[[int, tuple, tuple], None]:
-        """The hook of an ordinary node (bound to its id by a partial): a closure, as it runs once per node."""
+        """The hook of an ordinary node (bound to its id by a partial; the shared hook, by None) and the pre-hook
+        of an AccumulateGrad (bound to its id and ``()``): a closure, as it runs once per node."""
         session, log = self, self.log.extend
         # what waits is weighed in elements, a call as much as PENDING_CALLS calls fill PENDING_NUMEL
         small, most, per_call = SMALL_NUMEL, PENDING_NUMEL, PENDING_NUMEL // PENDING_CALLS
@@ -1663,47 +1667,33 @@ class _TraceSession:
             self.errors.append(traceback.format_exc())
         return (self._on_run_now if self.replay else self._run_hook)(node_id, grad_inputs, grad_outputs)
 
-    def _on_leaf(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        """AccumulateGrad, about to run: a small gradient waits for a batched norm, as an ordinary node's do.
-        Held here, it is not the tensor that becomes ``.grad`` (AccumulateGrad takes a gradient as ``.grad``
-        only where nothing else holds it, and copies it otherwise), so nothing that changes ``.grad`` in place
-        later (a second call's sum, an optimizer step in backward) changes it. A large one is normed now
-        (:meth:`_on_run_now`): held, it would cost a copy of a parameter's gradient."""
-        try:
-            for grad in grad_outputs:
-                if grad is not None and grad.numel() > SMALL_NUMEL:
-                    break
-            else:
-                return self._run_hook(node_id, grad_inputs, grad_outputs)
-        except Exception:  # a tensor subclass without numel(): now, where errors are reported
-            pass
-        return self._on_run_now(node_id, grad_inputs, grad_outputs)
-
     def _on_run_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        """AccumulateGrad with a large gradient (its ``.grad`` may be this very tensor, accumulated into later), or
-        any node with ``--replay``: statistics now; with ``--replay``, the node is then run again from what it received."""
+        """Any node with ``--replay``: statistics now, then the node is run again from what it received."""
         if self._replaying:
             return None
         try:
-            self.received.setdefault(node_id, []).append(self._log_now(node_id, grad_inputs, grad_outputs))
+            self._log_now(node_id, grad_inputs, grad_outputs)
             if self.replay and node_id not in self.replays:
                 self.replays[node_id] = self._replay(node_id, grad_inputs, grad_outputs)
         except Exception:
             self.errors.append(traceback.format_exc())
         return None
 
-    def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> list[int]:
-        """Log a call with slots whose norms are queued now (lists: a flush tells them from tuples of tensors);
-        the slots of what it received."""
+    def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        """Log a call with slots whose norms are queued now (lists: a flush tells them from tuples of tensors).
+        An AccumulateGrad's are kept per call too (:attr:`received`): its ``.grad`` may be this very tensor,
+        accumulated into later, whose norm :meth:`record_param_grads` then reuses."""
         if self._torch.is_grad_enabled():  # backward(create_graph=True): statistics stay out of the graph
             with self._torch.no_grad():
-                return self._log_now(node_id, grad_inputs, grad_outputs)
+                self._log_now(node_id, grad_inputs, grad_outputs)
+            return
         slot_now = self._slot_now
         with self._lock:
             received = list(map(slot_now, grad_outputs))
             self.log.extend((node_id, list(map(slot_now, grad_inputs)), received))
             self._logged_now = True
-        return received
+            if type(self.nodes[node_id]) is self._leaf_type:
+                self.received.setdefault(node_id, []).append(received)
 
     def _outside_graph(self) -> contextlib.AbstractContextManager:
         """``no_grad()`` where grad mode is on (backward(create_graph=True) runs hooks in it, and flush() runs
@@ -1897,7 +1887,7 @@ class _TraceSession:
                 # on the AccumulateGrad node may have: then it is read again)
                 if slot >= 0 and grad._version == 0 and self.stats.shapes[slot] == grad.shape and self.stats.dtypes[slot] == grad.dtype:
                     self.param_grads.append((leaf.name, self.stats.alias(grad, slot)))
-                elif type(grad) is self._plain and grad.numel() <= SMALL_NUMEL:  # a copy of what waited (_on_leaf)
+                elif type(grad) is self._plain and grad.numel() <= SMALL_NUMEL:  # a copy of what waited (see discover)
                     small.append((len(self.param_grads), grad))
                     self.param_grads.append((leaf.name, NO_VALUE))
                 else:  # often the very tensor AccumulateGrad received
