@@ -7,6 +7,8 @@
     python benchmarks/overhead.py resnet18 hf-bert hf-gpt2-base --rounds 7
                                                   # larger models, run only when named
     python benchmarks/overhead.py --memory        # also peak memory, one subprocess per method
+    python benchmarks/overhead.py --device cuda   # on a GPU: each step timed to its end (synchronised);
+                                                  # --memory then reads the allocator's peak, in process
 
 For each workload, every method runs once per round, in turn (interleaved, so that a busy machine
 slows all of them alike); the table shows each method's median time and its ratio to the plain
@@ -136,19 +138,33 @@ except ImportError:
     pass
 
 
-def measure(name: str, rounds: int) -> dict[str, list[float]]:
-    """Each method's time in every round (seconds; NaN where torchviz hit its recursion limit)."""
+def build(name: str, device: torch.device) -> tuple[Any, tuple, Callable[[Any], torch.Tensor]]:
+    """A workload with its parameters, inputs and any other tensors it holds made on ``device``."""
     torch.manual_seed(0)
-    model, args, loss_fn = WORKLOADS[name]()
+    with device:
+        return WORKLOADS[name]()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for a device's queued work: a step on a GPU is timed to its end, not to its last launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(name: str, rounds: int, device: torch.device) -> dict[str, list[float]]:
+    """Each method's time in every round (seconds; NaN where torchviz hit its recursion limit)."""
+    model, args, loss_fn = build(name, device)
     for method in METHODS.values():  # warm-up: allocator, lazy inits
         method(model, args, loss_fn)
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     gc.collect()
     for _ in range(rounds):
         for method_name, method in METHODS.items():
+            synchronize(device)
             start = time.perf_counter()
             try:
                 method(model, args, loss_fn)
+                synchronize(device)
             except RecursionError:  # torchviz on deep graphs
                 times[method_name].append(float("nan"))
                 continue
@@ -195,6 +211,22 @@ def peak_memory(method: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def peak_device_memory(method: str, device: torch.device) -> float:
+    """Peak growth (MiB) of the memory the caching allocator hands out during one step of ``method`` on the
+    large-activation workload, on a GPU (in process: the allocator counts exactly what the step holds)."""
+    torch.manual_seed(0)
+    with device:
+        model, args, loss_fn = big_activations()
+    METHODS[method](model, args, loss_fn)  # warm-up: cuDNN's choices and workspaces
+    synchronize(device)
+    gc.collect()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    METHODS[method](model, args, loss_fn)
+    synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -204,26 +236,35 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (subprocesses)")
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--device", default="cpu", help="where models and inputs are made: cpu (default) or cuda[:N]")
     options = parser.parse_args()
+    device = torch.device(options.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here")
     unknown = [name for name in options.workloads if name not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workload {', '.join(unknown)}: choose from {', '.join(WORKLOADS)}")
     if options.threads:
         torch.set_num_threads(options.threads)
+    where = f" · {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     print(f"# {platform.machine()} · {os.cpu_count()} cores · torch {torch.__version__} · "
-          f"{torch.get_num_threads()} threads · python {platform.python_version()}")
+          f"{torch.get_num_threads()} threads · python {platform.python_version()}{where}")
     header = "| workload | plain (ms) | " + " | ".join(f"{m} (x)" for m in METHODS if m != "plain") + " | gradtrace per round |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     results: dict[str, Any] = {}
     for name in options.workloads:
-        times = measure(name, options.rounds)
+        times = measure(name, options.rounds, device)
         medians = {m: statistics.median(t) for m, t in times.items()}
         results[name] = medians
         ratios = " | ".join(f"{medians[m] / medians['plain']:.2f}" for m in METHODS if m != "plain")
         print(f"| {name} | {medians['plain'] * 1e3:.1f} | {ratios} | {spread(times['gradtrace'], times['plain'])} |", flush=True)
     if options.memory:
-        peaks = {m: peak_memory(m) for m in ("plain", "gradtrace", "forward-values", "floor")}
+        methods = ("plain", "gradtrace", "forward-values", "floor")
+        if device.type == "cuda":
+            peaks = {m: peak_device_memory(m, device) for m in methods}
+        else:
+            peaks = {m: peak_memory(m) for m in methods}
         results["peak_memory_mib"] = peaks
         print(f"\npeak memory growth of one step, large activations ({big_activations.__doc__.strip()}):")
         for m, mib in peaks.items():

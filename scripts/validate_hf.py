@@ -4,6 +4,7 @@ Run by hand (needs ``pip install transformers``)::
 
     python scripts/validate_hf.py            # all models, then the CLI end to end
     python scripts/validate_hf.py gpt2 bert  # only models whose name contains one of the words
+    python scripts/validate_hf.py --device cuda  # models and inputs on a GPU (the CLI with --device cuda)
 
 For each model, ``trace()`` is compared with an independent forward and a plain ``loss.backward()`` of
 an identical copy, using the checks of ``tests/test_architectures.py``:
@@ -25,11 +26,11 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from test_architectures import check_model  # noqa: E402
+from tests.test_architectures import check_model  # noqa: E402
 
 VOCAB = 1000
 BATCH, SEQ = 2, 12
@@ -51,14 +52,14 @@ def causal_lm_inputs(with_labels: bool):
 
 
 class Autocast(torch.nn.Module):
-    """Runs the wrapped model under bf16 autocast on CPU (paths get the prefix ``model.``)."""
+    """Runs the wrapped model under bf16 autocast on its device (paths get the prefix ``model.``)."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, *args, **kwargs):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(next(self.parameters()).device.type, dtype=torch.bfloat16):
             return self.model(*args, **kwargs)
 
 
@@ -166,7 +167,23 @@ CASES = [
 ]
 
 
-def run_cli(workdir: Path) -> list[str]:
+def to_device(value, device: str):
+    """Tensors in nested tuples, lists and dicts, moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(item, device) for item in value)
+    if isinstance(value, dict):
+        return {key: to_device(item, device) for key, item in value.items()}
+    return value
+
+
+def on_device(build, make_inputs, device: str):
+    """``build`` and ``make_inputs`` whose model and inputs are moved to ``device``."""
+    return (lambda: build().to(device)), (lambda: to_device(make_inputs(), device))
+
+
+def run_cli(workdir: Path, device: str = "cpu") -> list[str]:
     """``gradtrace run`` on a GPT-2 model file; returns failures."""
     failures = []
     model_file = workdir / "gpt2_model.py"
@@ -187,9 +204,9 @@ def run_cli(workdir: Path) -> list[str]:
     json_path = workdir / "t.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", NO_COLOR="1")
     commands = {
-        "tree": ["gradtrace", "run", str(model_file)],
-        "json file": ["gradtrace", "run", str(model_file), "--json", str(json_path)],
-        "json stdout": ["gradtrace", "run", str(model_file), "--json", "-"],
+        "tree": ["gradtrace", "run", str(model_file), "--device", device],
+        "json file": ["gradtrace", "run", str(model_file), "--device", device, "--json", str(json_path)],
+        "json stdout": ["gradtrace", "run", str(model_file), "--device", device, "--json", "-"],
     }
     outputs = {}
     for label, command in commands.items():
@@ -216,15 +233,15 @@ def run_cli(workdir: Path) -> list[str]:
     from tracer_cli import trace
 
     torch.manual_seed(0)
-    model = gpt2_model.build_model()
-    api = trace(model, (), gpt2_model.example_inputs())
+    model = gpt2_model.build_model().to(device)
+    api = trace(model, (), to_device(gpt2_model.example_inputs(), device))
     if len(api.nodes) != len(document["nodes"]):
         failures.append(f"CLI JSON has {len(document['nodes'])} nodes, the API trace {len(api.nodes)}")
     cli_leaf = next((n for n in document["nodes"] if n.get("param") == "transformer.wte.weight"), None)
     api_norm = api.leaf("transformer.wte.weight").grad_outputs[0].norm
     if cli_leaf is None:
         failures.append("CLI JSON has no transformer.wte.weight leaf")
-    elif abs(cli_leaf["grad_outputs"][0]["norm"] - api_norm) > 1e-4 * abs(api_norm):
+    elif abs(cli_leaf["grad_outputs"][0]["norm"] - api_norm) > 1e-4 * abs(api_norm):  # (a GPU's sums may differ)
         failures.append(f"CLI wte.weight norm {cli_leaf['grad_outputs'][0]['norm']} != API {api_norm}")
     if not all(n["order"] is not None for n in document["nodes"]):
         failures.append("CLI JSON has nodes that never ran")
@@ -242,15 +259,19 @@ def main(argv: list[str]) -> int:
     except ImportError:
         print("transformers is not installed: pip install transformers", file=sys.stderr)
         return 2
+    device = "cpu"
+    if "--device" in argv:
+        at = argv.index("--device")
+        device, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     chosen = [c for c in CASES if not argv or any(word in c[0] for word in argv)]
     reports = []
     for name, build, make_inputs in chosen:
         try:
-            report = check_model(name, build, make_inputs, timing_repeats=3)
+            report = check_model(name, *on_device(build, make_inputs, device), timing_repeats=3)
         except Exception as exc:  # a crash is a failure of that row, not of the script
-            from test_architectures import Report
+            from tests.test_architectures import Report
 
             report = Report(name, failures=[f"raised {type(exc).__name__}: {exc}"])
         reports.append(report)
@@ -272,7 +293,7 @@ def main(argv: list[str]) -> int:
 
     if not argv or "cli" in argv:
         with tempfile.TemporaryDirectory() as tmp:
-            for failure in run_cli(Path(tmp)):
+            for failure in run_cli(Path(tmp), device):
                 failed = True
                 print(f"FAIL cli: {failure}")
     print("FAILED" if failed else "all checks passed")

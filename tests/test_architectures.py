@@ -573,7 +573,7 @@ RESNET_TARGET = torch.tensor([0, 3, 1])
 
 
 def resnet_loss(output):
-    return F.cross_entropy(output, RESNET_TARGET)
+    return F.cross_entropy(output, RESNET_TARGET.to(output.device))
 
 
 class BiLSTMClassifier(nn.Module):
@@ -643,7 +643,7 @@ class TinyGPT(nn.Module):
         self.lm_head.weight = self.wte.weight
 
     def forward(self, input_ids, labels=None):
-        positions = torch.arange(input_ids.shape[1])
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.wte(input_ids) + self.wpe(positions)
         for block in self.h:
             x = block(x)
@@ -851,7 +851,7 @@ class PackedBiLSTM(nn.Module):
     def forward(self, x, lengths):
         from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)  # (torch wants them there)
         out, _ = pad_packed_sequence(self.lstm(packed)[0], batch_first=True)
         return self.head(out.sum(1))
 
@@ -968,6 +968,30 @@ def test_graph_gradients_and_cleanup(name):
 def test_attribution_matches_oracle(name):
     report = report_for(name)
     assert not report.attribution_failures, "\n".join(report.attribution_failures)
+
+
+def _on_cuda(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cuda()
+    if isinstance(value, (tuple, list)):
+        return type(value)(map(_on_cuda, value))
+    if isinstance(value, dict):
+        return {key: _on_cuda(item) for key, item in value.items()}
+    return value
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.filterwarnings(_NESTED_WARNING)
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_graph_gradients_attribution_and_cleanup_on_cuda(name):  # pragma: no cover - GPU only
+    """The same checks with the model and its inputs on a GPU (statistics stay there until one read-back)."""
+    spec = ARCHITECTURES[name]
+    build, make_inputs = spec["build"], spec["make_inputs"]
+    report = check_model(
+        name, lambda: build().cuda(), lambda: _on_cuda(make_inputs()), spec.get("loss_fn"), trace_train=spec.get("trace_train")
+    )
+    assert report.nodes_traced > 0
+    assert not report.all_failures(), "\n".join(report.all_failures())
 
 
 # --- targeted expectations that the generic check does not spell out ---------------------------

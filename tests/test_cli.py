@@ -422,6 +422,31 @@ def test_cuda_unavailable_is_usage_error(runner, tmp_path):
     assert "CUDA is not available" in result.stderr
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("sample", ["mlp", "transformer", "nan_where"])
+def test_a_run_on_cuda_traces_what_a_run_on_the_cpu_does(runner, tmp_path, sample):  # pragma: no cover - GPU only
+    """``--device cuda``: the same nodes, modules and gradient norms (float32 rounding apart) as on the CPU, the
+    same findings, forward values included (the inputs are made on the CPU and moved, so they are the same)."""
+    documents = {}
+    for device in ("cpu", "cuda"):
+        path = tmp_path / f"{device}.json"
+        result = invoke(runner, "run", str(SAMPLES / f"{sample}.py"), "--device", device, "--json", str(path))
+        assert result.exit_code in (0, 1), result.stderr
+        documents[device] = (result.exit_code, strict_json(path.read_text()))
+    (cpu_code, cpu), (cuda_code, cuda) = documents["cpu"], documents["cuda"]
+    assert cuda["meta"]["device"].startswith("cuda") and cuda_code == cpu_code
+    assert [(n["name"], n["module"], n["param"]) for n in cuda["nodes"]] == [(n["name"], n["module"], n["param"]) for n in cpu["nodes"]]
+
+    def norms(document):
+        return [
+            stat and stat["norm"]
+            for node in document["nodes"]
+            for stat in [*node["grad_inputs"], *node["grad_outputs"], node["forward"]]
+        ]
+
+    assert norms(cuda) == pytest.approx(norms(cpu), rel=1e-4, abs=1e-6, nan_ok=True)
+
+
 def test_malicious_pt_inputs_never_execute(runner, tmp_path):
     import pickle
 

@@ -16,6 +16,19 @@ from tracer_cli import trace, tracing
 from .reference import compare_with_hooks
 
 
+@pytest.fixture(
+    params=["cpu", "as-device", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+)
+def device(request, monkeypatch):
+    """Where a test's tensors lie: the CPU (a norm read at once, its range checked there), the CPU taken for a
+    device (every norm queued and read back at the end, its range never read: the path a GPU's tensors take,
+    run where CI runs), or a GPU."""
+    if request.param == "as-device":
+        monkeypatch.setattr(tracing._Stats, "_reads_at_once", lambda self, tensor: False)
+        return torch.device("cpu")
+    return torch.device(request.param)
+
+
 def _mixed(x, y, z):
     """Small gradients of many shapes and dtypes, some of them expanded or transposed views."""
     a = (x * 2).sin()  # float32 (8,)
@@ -23,7 +36,7 @@ def _mixed(x, y, z):
     c = z.to(torch.bfloat16).tanh().float()  # bfloat16 in the middle
     d = x.sum().expand(5, 8)  # SumBackward sends on an expanded (non-contiguous) gradient
     e = x.view(2, 4).t()  # a transposed gradient
-    f = x[:3] * torch.arange(3.0)  # a slice
+    f = x[:3] * torch.arange(3.0, device=x.device)  # a slice
     return a.sum() + b + c.sum() + (d * 0.5).sum() + (e * e).sum() + f.sum() + (y[0] * z[:2]).prod()
 
 
@@ -36,8 +49,8 @@ def _reference_loss(model, args):
     return model(*(a.detach().requires_grad_() for a in args))
 
 
-def test_batched_norms_match_norms_taken_in_the_hook():
-    args = _inputs()
+def test_batched_norms_match_norms_taken_in_the_hook(device):
+    args = tuple(a.to(device) for a in _inputs())
     result = trace(_mixed, args)
     compare_with_hooks(result, _reference_loss(_mixed, args))
     dtypes = {s.dtype for n in result.nodes for _, _, s in n.stats()}
@@ -107,10 +120,11 @@ def test_a_gradient_changed_in_place_later_keeps_the_value_its_node_sent():
     assert mul.grad_inputs[0].norm == pytest.approx(3.0 * math.sqrt(8), rel=1e-6)
 
 
-def test_large_gradients_norms_are_accurate():
-    """Large float32 gradients are normed with a dot product: within float32 rounding of a float64 norm."""
+def test_large_gradients_norms_are_accurate(device):
+    """Large float32 gradients are normed with a dot product (on a device, in float64): within float32 rounding
+    of a float64 norm."""
     torch.manual_seed(0)
-    x = torch.randn(1 << 20) * 3 + 1
+    x = (torch.randn(1 << 20) * 3 + 1).to(device)
     result = trace(lambda x: (x * x).sum(), (x,))
     expected = float((2 * x.double()).norm())
     assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(expected, rel=1e-5, abs=0)
@@ -126,27 +140,27 @@ def _heads(x):
     return (scores * scores).sum() + (wide * 0.25).sum() + halves.square().sum()
 
 
-def test_large_permuted_and_strided_gradients_match_norms_taken_in_the_hook():
+def test_large_permuted_and_strided_gradients_match_norms_taken_in_the_hook(device):
     """Gradients that fill one block of memory in another order are normed as that block, flat, and share
     the norm of the contiguous gradient they are a view of; those that fill none (expanded, with gaps) are
     normed as they are. Every one is compared with an independent norm taken in a hook."""
     torch.manual_seed(0)
-    args = (torch.randn(256, 128),)
+    args = (torch.randn(256, 128, device=device),)
     assert args[0].numel() > tracing.SMALL_NUMEL  # normed at once, one by one
     result = trace(_heads, args)
     compare_with_hooks(result, _reference_loss(_heads, args))
     assert result.find("PermuteBackward0") and result.find("TransposeBackward0") and result.find("CatBackward0")
 
 
-def test_small_parameter_gradients_are_normed_in_batches(monkeypatch):
+def test_small_parameter_gradients_are_normed_in_batches(monkeypatch, device):
     """A deep stack of small layers, whose gradients vanish on the way down (about 1e-20 at the first layers):
     each parameter's gradient, as it arrives and as ``.grad`` after backward, waits for a batched norm
     rather than taking one of its own (a dispatch per tensor, and a second norm in float64 for each tiny
     one: 25,000 such layers traced at 5 to 7 times a plain step). The norms are those of a hooked plain
     backward's gradients and of its ``.grad``, in float64."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(100)])
-    x = torch.randn(2, 4)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(100)]).to(device)
+    x = torch.randn(2, 4, device=device)
     one_by_one = []
     norm = tracing._Stats._norm
     monkeypatch.setattr(tracing._Stats, "_norm", lambda self, tensor: one_by_one.append(tensor.shape) or norm(self, tensor))
@@ -174,12 +188,12 @@ class _Vanishing(torch.nn.Module):
 # batched: a stack small enough to be normed in float64; a larger stack (float32 norms, their range checked); at once
 @pytest.mark.parametrize("size", [8, 1 << 14, 1 << 16], ids=["batched", "batched-large", "at-once"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiny_gradients_are_not_read_as_zero(size, dtype):
+def test_tiny_gradients_are_not_read_as_zero(size, dtype, device):
     """Vanishing gradients keep their norms (against float64 norms of a plain backward's ``.grad``);
     a gradient that is exactly zero stays 0, and only it is reported as a dead parameter."""
     torch.manual_seed(0)
-    model = _Vanishing(size, dtype)
-    x = torch.randn(size, dtype=dtype)
+    model = _Vanishing(size, dtype).to(device)
+    x = torch.randn(size, dtype=dtype, device=device)
     result = trace(model, (x,), input_grad=False)
     model(x).backward()
     expected = {name: float(p.grad.double().norm()) for name, p in model.named_parameters()}
@@ -222,7 +236,7 @@ def test_a_large_gradient_whose_squares_underflow_is_normed_again_exactly(monkey
     [(torch.float32, 1e20), (torch.bfloat16, 1e34), (torch.float64, 1e200), (torch.float64, 1e-170)],
     ids=["float32-huge", "bf16-huge", "float64-huge", "float64-tiny"],
 )
-def test_gradients_whose_squares_leave_the_dtype_keep_their_norms(size, dtype, scale):
+def test_gradients_whose_squares_leave_the_dtype_keep_their_norms(size, dtype, scale, device):
     """Finite gradients whose squares overflow (an infinite norm: read as a NaN/inf finding) or underflow (a
     norm of 0: read as a dead parameter) keep their norms, against float64 norms of a plain backward's
     ``.grad`` taken without squares; the joint parameter norm too."""
@@ -238,8 +252,8 @@ def test_gradients_whose_squares_leave_the_dtype_keep_their_norms(size, dtype, s
             return (x * scale * self.weight).sum() + (x * self.zero * 0).sum()
 
     torch.manual_seed(0)
-    model = Scaled()
-    x = torch.rand(size, dtype=dtype) + 0.5
+    model = Scaled().to(device)
+    x = torch.rand(size, dtype=dtype, device=device) + 0.5
     result = trace(model, (x,), input_grad=False)
     model(x).backward()
 
@@ -258,8 +272,8 @@ def test_gradients_whose_squares_leave_the_dtype_keep_their_norms(size, dtype, s
     assert sorted({f.kind for f in trace_findings(result)}) == ["zero"]  # "zero" is the zero parameter's
 
 
-def test_tiny_and_infinite_gradients_in_one_batch_keep_their_norms():
-    x, y = torch.randn(8), torch.randn(8)
+def test_tiny_and_infinite_gradients_in_one_batch_keep_their_norms(device):
+    x, y = torch.randn(8, device=device), torch.randn(8, device=device)
     result = trace(lambda x, y: (x * 1e-24).sum() + (y * float("inf")).sum(), (x, y))
     assert result.leaf("input:0").grad_norm == pytest.approx(1e-24 * math.sqrt(8), rel=1e-6, abs=0)
     assert result.leaf("input:1").grad_norm == math.inf and result.leaf("input:1").nonfinite_kind == "inf"
@@ -303,12 +317,12 @@ def test_large_gradients_are_not_kept_until_the_end():
     assert all(n.order is not None for n in result.nodes)
 
 
-def test_non_finite_values_survive_batching():
+def test_non_finite_values_survive_batching(device):
     def model(x):
-        y = x * torch.tensor([1.0, 0.0, 2.0, 3.0])
+        y = x * torch.tensor([1.0, 0.0, 2.0, 3.0], device=x.device)
         return (y.log() * 2.0).sum() + (x * float("inf")).sum()
 
-    result = trace(model, (torch.ones(4),))
+    result = trace(model, (torch.ones(4, device=device),))
     kinds = {n.name: n.nonfinite_kind for n in result.nodes}
     assert kinds["LogBackward0"] == "inf"
     assert result.nonfinite_origin() is not None
@@ -558,12 +572,12 @@ def _attention(x, qkv, mask):
     return (scores.softmax(-1) @ heads[2]).transpose(1, 2).reshape(4, 128, 64).square().sum()
 
 
-def test_forward_values_and_gradients_of_sliced_heads_and_masked_scores():
+def test_forward_values_and_gradients_of_sliced_heads_and_masked_scores(device):
     """Views of a column slice share the slice's norm; a masked output's forward value is infinite; every
     norm against a norm taken independently (forward values from the ops run again, gradients in a hook)."""
     torch.manual_seed(0)
-    x, qkv = torch.randn(4, 128, 64), torch.randn(64, 192) / 8
-    mask = torch.ones(128, 128, dtype=torch.bool).triu(1)
+    x, qkv = torch.randn(4, 128, 64, device=device), torch.randn(64, 192, device=device) / 8
+    mask = torch.ones(128, 128, dtype=torch.bool, device=device).triu(1)
     result = trace(_attention, (x, qkv, mask), forward_stats=True)
     compare_with_hooks(result, _reference_loss(lambda x, qkv: _attention(x, qkv, mask), (x, qkv)))
     projected = x @ qkv

@@ -200,18 +200,20 @@ def test_loss_without_grad_is_a_model_error():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("forward_stats", [False, True])
-def test_no_host_sync_per_node_on_cuda(monkeypatch, forward_stats):  # pragma: no cover - runs where a GPU is available
+def test_no_host_sync_per_node_on_cuda(monkeypatch, forward_stats, dtype):  # pragma: no cover - runs where a GPU is available
     """Forward, hooks and backward never synchronise; statistics are read back once, at the end.
 
     The first layer's gradients are large (normed one by one as they arrive), the others small
-    (normed in batches); so are its outputs, with forward values (as --json and torchrun record them)."""
+    (normed in batches); so are its outputs, with forward values (as --json and torchrun record them).
+    float32 and bf16 tensors are normed in float64 there, float64 ones scaled by their largest element."""
     from tracer_cli import tracing
 
     torch.manual_seed(0)
     small = [nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(20)]
-    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64), *small).cuda()
-    x = torch.randn(128, 256, device="cuda")
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64), *small).to("cuda", dtype)
+    x = torch.randn(128, 256, device="cuda", dtype=dtype)
     assert x.numel() > tracing.SMALL_NUMEL >= 128 * 64
     reads = []
     original = tracing._Stats.read
@@ -233,7 +235,7 @@ def test_no_host_sync_per_node_on_cuda(monkeypatch, forward_stats):  # pragma: n
     assert all(n.order is not None for n in result.nodes)
     expected = plain_grads(model, (x,), loss_fn=lambda out: out.pow(2).mean())
     for name in ("0.weight", "3.0.weight", "22.0.weight"):
-        assert result.leaf(name).grad_outputs[0].norm == pytest.approx(float(expected[name].norm()), rel=1e-4)
+        assert result.leaf(name).grad_outputs[0].norm == pytest.approx(float(expected[name].double().norm()), rel=1e-4)
     if forward_stats:
         _check_forward_values(model, x, result)
 
@@ -247,11 +249,12 @@ def _check_forward_values(model, x, result):
         outputs = {"0": first, "22.0": model[-1][0](last), "22.1": model[-1](last)}
     for module, value in outputs.items():
         (node,) = [n for n in result.nodes if n.module == module and n.forward is not None and n.param is None]
-        assert node.forward.norm == pytest.approx(float(value.norm()), rel=1e-4), node.label()
+        assert node.forward.norm == pytest.approx(float(value.double().norm()), rel=1e-4), node.label()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("forward_stats", [False, True])
-def test_no_host_read_per_node_on_cpu(monkeypatch, forward_stats):
+def test_no_host_read_per_node_on_cpu(monkeypatch, forward_stats, dtype):
     """What would synchronise with a GPU, checked on the CPU: no value is read to the host (``item()``,
     ``bool()``, ``tolist()``, ``.cpu()``...) before the one read-back of every statistic at the end.
 
@@ -300,8 +303,8 @@ def test_no_host_read_per_node_on_cpu(monkeypatch, forward_stats):
     monkeypatch.setattr(tracing._Stats, "_reads_at_once", lambda self, tensor: False)
     torch.manual_seed(0)
     small = [nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(20)]
-    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 16), *small)
-    x = torch.randn(128, 256)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 16), *small).to(dtype)
+    x = torch.randn(128, 256, dtype=dtype)
     assert model[0].weight.numel() > tracing.SMALL_NUMEL >= 128 * 16  # large gradients and small ones
     with HostReads():
         result = trace(model, x, loss_fn=lambda out: out.pow(2).mean(), forward_stats=forward_stats)
@@ -310,7 +313,7 @@ def test_no_host_read_per_node_on_cpu(monkeypatch, forward_stats):
     assert all(n.order is not None for n in result.nodes)
     expected = plain_grads(model, (x,), loss_fn=lambda out: out.pow(2).mean())
     for name in ("0.weight", "3.0.weight", "22.0.weight"):
-        assert result.leaf(name).grad_outputs[0].norm == pytest.approx(float(expected[name].norm()), rel=1e-4)
+        assert result.leaf(name).grad_outputs[0].norm == pytest.approx(float(expected[name].double().norm()), rel=1e-4)
     if forward_stats:
         _check_forward_values(model, x, result)
 

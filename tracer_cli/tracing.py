@@ -1017,10 +1017,11 @@ class _Stats:
         """``(value, squared)``: the norm of ``tensor`` as a 0-d tensor on its device, or its square (a BLAS
         dot product, faster than a norm and more accurate on CPU); ``(None, False)`` for an exotic tensor.
 
-        With ``out`` (a 0-d tensor of :meth:`_result_dtype`), the value is written there.
+        With ``out`` (a 0-d tensor of :meth:`_result_dtype`, or float64: :meth:`_norm` on a device), the value is
+        written there, accumulated in ``out``'s dtype.
         """
         try:
-            if tensor.layout is self._strided and tensor.dtype in self._dot_dtypes:
+            if tensor.layout is self._strided and tensor.dtype in self._dot_dtypes and (out is None or out.dtype is tensor.dtype):
                 try:
                     if tensor.is_contiguous():
                         flat = tensor.view(-1)
@@ -1036,8 +1037,7 @@ class _Stats:
                 except (RuntimeError, NotImplementedError, TypeError):  # a backend without an op for a strided
                     pass  # view (a dot of every other element): the norm below
             values = self._elements(tensor)
-            # float32 or wider, so bf16/fp16 gradients do not overflow the norm
-            wide = {} if tensor.dtype in self._wide else {"dtype": self._float32}
+            wide = self._accumulate(tensor.dtype, out)
             if out is not None and type(tensor) is not self._plain:
                 # a subclass's norm into a plain tensor: torch crashes on that mixture (an unevenly sharded
                 # DTensor); its norm, made whole (a DTensor's is partial on each rank), is copied in
@@ -1058,8 +1058,8 @@ class _Stats:
         and a float32 sum of far fewer terms), or, where rows are short, a norm of them all."""
         values = tensor.as_strided(tuple(size for _, size in reversed(runs)), tuple(stride for stride, _ in reversed(runs)))
         dtype = tensor.dtype
-        wide = {} if dtype in self._wide else {"dtype": self._float32}
-        if dtype in self._dot_dtypes and len(runs) <= 1:
+        wide = self._accumulate(dtype, out)
+        if dtype in self._dot_dtypes and len(runs) <= 1 and (out is None or out.dtype is dtype):
             flat = values.reshape(-1)  # (one element: no runs, a 0-d tensor)
             norm, squared = self._dot(flat, flat), True
         elif len(runs) > 1 and runs[0][1] >= ROW_NUMEL:
@@ -1073,6 +1073,14 @@ class _Stats:
             return norm, squared
         out.copy_(norm)
         return out, squared
+
+    def _accumulate(self, dtype: Any, out: Any) -> dict[str, Any]:
+        """The ``dtype`` keyword of a norm of ``dtype`` elements written into ``out`` (or returned: None): float64
+        into a float64 ``out``, else float32, so bf16/fp16 gradients do not overflow the norm; float64 and complex
+        elements in their own dtype."""
+        if dtype in self._wide:
+            return {}
+        return {"dtype": self._float64 if out is not None and out.dtype is self._float64 else self._float32}
 
     def _elements(self, tensor: Any) -> Any:
         """The tensor, or a sparse tensor's stored values (an uncoalesced one's repeat indices: coalesced)."""
@@ -1123,7 +1131,7 @@ class _Stats:
                     return torch.full(rows.shape[:-1], math.inf, dtype=self._float64, device=rows.device)
             return self._vector_norm(rows, dim=-1, dtype=self._float64)
         largest = self._vector_norm(rows, ord=math.inf, dim=-1, keepdim=True)  # exact in any dtype
-        if not largest.any():  # all zeros (a dead branch): no scaled copy to make
+        if self._reads_at_once(rows) and not largest.any():  # all zeros (a dead branch): no scaled copy to make
             return largest.to(self._float64).reshape(rows.shape[:-1])
         if rows.dtype not in self._wide:  # bf16 and fp16 scaled in float32, not rounded again
             rows, largest = rows.to(self._float32), largest.to(self._float32)
@@ -1171,7 +1179,12 @@ class _Stats:
             if (value < tiny[0 if squared else 1] or value == math.inf) and tensor.numel():
                 return self.value(self._scaled_norm(tensor, value == math.inf))
             return self._read_now(math.sqrt(value) if squared else value)
-        key = (tensor.device, self._result_dtype(tensor.dtype))
+        # on a device, where reading a norm to check its range would synchronise: bf16, fp16 and float32 elements
+        # are normed in float64, which holds their squares; float64 and complex ones scaled by their largest
+        dtype = tensor.dtype
+        if dtype in self._wide and type(tensor) is self._plain:
+            return self.value(self._scaled_norm(tensor, False))
+        key = (tensor.device, self._float64 if dtype in self._narrow else self._result_dtype(dtype))
         buffer = self._buffers.get(key)
         if buffer is None or buffer[2] == OUT_CHUNK:
             values = self._torch.empty(OUT_CHUNK, dtype=key[1], device=key[0])
@@ -1297,8 +1310,11 @@ class _Stats:
     def _stacked_norms(self, stacked: Any, dtype: Any) -> range:
         """Queue the norm of each of the stacked tensors (one op); their positions."""
         rows = stacked.reshape(len(stacked), math.prod(stacked.shape[1:]))  # (-1 fails on empty tensors)
-        if dtype in self._narrow and rows.numel() <= DIRECT_WIDE_NUMEL:
-            norms = self._vector_norm(rows, dim=1, dtype=self._float64)  # holds their squares: no range to check
+        if dtype in self._narrow and (rows.numel() <= DIRECT_WIDE_NUMEL or not self._readable_now(stacked, stacked)):
+            # float64 holds their squares: no range to check (as on a device, where it cannot be read to check)
+            norms = self._vector_norm(rows, dim=1, dtype=self._float64)
+        elif dtype in self._wide and not self._readable_now(stacked, stacked):
+            norms = self._scaled_norms(rows, False)  # on a device: scaled, its range unchecked
         else:
             norms = self._vector_norm(rows, dim=1) if dtype in self._wide else self._vector_norm(rows, dim=1, dtype=self._float32)
             if self._out_of_range(stacked, norms, False):  # only those rows are taken again
