@@ -17,24 +17,24 @@ import statistics
 import torch
 
 
-def timed(fn, device: torch.device, repeats: int = 50) -> float:
-    """Median milliseconds of one call of ``fn``."""
+def timed(fn, x: torch.Tensor, device: torch.device, repeats: int = 50) -> float:
+    """Median milliseconds of one call of ``fn(x)``."""
     for _ in range(3):
-        fn()
+        fn(x)
     if device.type != "cuda":
         import time
 
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            fn()
+            fn(x)
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        fn(x)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -52,10 +52,10 @@ def main() -> None:
     for numel in (1 << 16, 1 << 20, 1 << 24, 1 << 26):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(numel, device=device, dtype=dtype)
-            copy = timed(lambda: x.clone(), device)
-            dot = timed(lambda: torch.dot(x, x), device) if dtype == torch.float32 else float("nan")
-            norm32 = timed(lambda: torch.linalg.vector_norm(x, dtype=torch.float32), device)
-            norm64 = timed(lambda: torch.linalg.vector_norm(x, dtype=torch.float64), device)
+            copy = timed(torch.clone, x, device)
+            dot = timed(lambda t: torch.dot(t, t), x, device) if dtype == torch.float32 else float("nan")
+            norm32 = timed(lambda t: torch.linalg.vector_norm(t, dtype=torch.float32), x, device)
+            norm64 = timed(lambda t: torch.linalg.vector_norm(t, dtype=torch.float64), x, device)
             base = dot if dtype == torch.float32 else norm32
             print(f"| {numel:,} | {str(dtype).removeprefix('torch.')} | {copy:.3f} | {dot:.3f} | {norm32:.3f} | "
                   f"{norm64:.3f} | {norm64 / base:.1f} |", flush=True)

@@ -3,6 +3,7 @@
 # the cost of norms there, the overhead benchmark on the GPU, then the whole suite where CUDA is available.
 #
 #     bash scripts/gpu_check.sh [OUTDIR]      # logs under OUTDIR (default: $OUT, else /tmp/gpu_check)
+#     STEPS="cuda-tests suite" bash scripts/gpu_check.sh   # only these steps (names below)
 #
 # Needs only what a GPU machine with torch, typer, rich, pytest and hypothesis has (transformers for the Hugging
 # Face step, pytest-xdist for the last): nothing is fetched. Each step has its own time limit (seconds) and the
@@ -17,6 +18,7 @@ failed=0
 step() {  # step NAME LIMIT COMMAND...: run within LIMIT seconds, log to $out/NAME.log, say how it went
     local name=$1 limit=$2 start=$SECONDS
     shift 2
+    [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $name "* ]] || return 0
     echo "== $name"
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     local rc=$?
@@ -41,5 +43,8 @@ step cuda-tests 150 python3 -m pytest -q -p no:cacheprovider -rs -k cuda tests
 step norm-cost 60 python3 benchmarks/norm_cost.py --device cuda
 TAIL=20 step validate-hf 120 python3 scripts/validate_hf.py --device cuda
 TAIL=16 step overhead 150 python3 benchmarks/overhead.py gpt2-style resnet-style wide-mlp tiny-ops deep-linear --device cuda --rounds 7 --memory
-TAIL=8 step suite 200 python3 -m pytest -q -p no:cacheprovider -n 8 tests
+TAIL=16 step profile 60 python3 benchmarks/profile_step.py gpt2-style --device cuda --steps 10 --top 30
+# the whole suite where CUDA is available, one test per line (what ran survives the time limit)
+TAIL=8 step suite 260 python3 -m pytest -p no:cacheprovider -p no:xdist -v --tb=short tests
+grep -E "(FAILED|ERROR)( |$)" "$out/suite.log" | head -40
 exit $failed

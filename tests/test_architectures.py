@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import math
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -35,6 +36,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import grad as autograd_grad
 from torch.utils.checkpoint import checkpoint
 
 from tracer_cli import trace
@@ -613,7 +615,7 @@ class TorchAttention(nn.Module):
 
     def forward(self, x):
         s = x.shape[1]
-        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=x.device), 1)
         return self.mha(x, x, x, attn_mask=mask, need_weights=False)[0]
 
 
@@ -874,6 +876,68 @@ class GradientPenalty(nn.Module):
         return score.mean() + 10 * self.penalty(score, x)
 
 
+class _TanhBackwardInAThread(torch.autograd.Function):
+    """tanh whose backward computes in a thread of its own: the nodes a double backward makes there are
+    numbered by that thread's counter, as those that a GPU's part of a backward makes are by the engine's
+    thread for the device."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.tanh()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        result = []
+        worker = threading.Thread(target=lambda: result.append(grad * (1 - y * y)))
+        worker.start()
+        worker.join()
+        return result[0]
+
+
+class _ThreadedTanh(nn.Module):
+    def forward(self, x):
+        return _TanhBackwardInAThread.apply(x)
+
+
+class GradientPenaltyInAThread(GradientPenalty):
+    """The gradient penalty, its double-backward nodes made in another thread (as on a GPU), through a
+    ``grad`` imported by name before the trace."""
+
+    class Penalty(nn.Module):
+        def forward(self, score, x):
+            (grad,) = autograd_grad(score.sum(), x, create_graph=True)
+            return ((grad.norm(dim=1) - 1) ** 2).mean()
+
+    def __init__(self):
+        super().__init__()
+        self.critic[1] = _ThreadedTanh()
+        self.penalty = self.Penalty()
+
+
+class InnerStep(nn.Module):
+    """A backward(create_graph=True) into a weight's ``.grad`` inside forward (one inner step of a learned
+    optimiser), its double-backward nodes made in another thread (as on a GPU)."""
+
+    class Step(nn.Module):
+        def forward(self, body, x):
+            weight = body[0].weight
+            weight.grad = None
+            body(x).pow(2).sum().backward(create_graph=True, inputs=[weight])
+            grad, weight.grad = weight.grad, None
+            return grad.pow(2).sum()
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), _ThreadedTanh(), nn.Linear(8, 1))
+        self.step = self.Step()
+
+    def forward(self, x):
+        return self.body(x).sum() + self.step(self.body, x)
+
+
 class MixtureOfExperts(nn.Module):
     """Top-2 routing with index_add and an in-place write into a view (CopySlices) in a submodule."""
 
@@ -934,6 +998,8 @@ ARCHITECTURES = {
         build=PackedBiLSTM, make_inputs=lambda: ((torch.randn(3, 5, 4), torch.tensor([5, 2, 3])), {})
     ),
     "gradient_penalty": dict(build=GradientPenalty, make_inputs=lambda: ((torch.randn(3, 4),), {})),
+    "gradient_penalty_backward_in_a_thread": dict(build=GradientPenaltyInAThread, make_inputs=lambda: ((torch.randn(3, 4),), {})),
+    "inner_backward_in_a_thread": dict(build=InnerStep, make_inputs=lambda: ((torch.randn(3, 4),), {})),
     "mixture_of_experts": dict(build=MixtureOfExperts, make_inputs=lambda: ((torch.randn(6, 4),), {})),
     "parametrized_hooked_nested_checkpoint": dict(
         build=Parametrized, make_inputs=lambda: ((torch.randn(3, 4),), {})
@@ -951,11 +1017,13 @@ def report_for(name: str) -> Report:
     return _REPORTS[name]
 
 
-# the nested checkpoint's inner call runs under the outer one's no_grad forward: torch warns, as expected
+# the nested checkpoint's inner call runs under the outer one's no_grad forward: torch warns, as expected; and
+# so does a backward(create_graph=True) (InnerStep's), of the cycle between a parameter and its .grad
 _NESTED_WARNING = "ignore:None of the inputs have requires_grad=True"
+_CREATE_GRAPH_WARNING = r"ignore:Using backward\(\) with create_graph=True"
 
 
-@pytest.mark.filterwarnings(_NESTED_WARNING)
+@pytest.mark.filterwarnings(_NESTED_WARNING, _CREATE_GRAPH_WARNING)
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_graph_gradients_and_cleanup(name):
     report = report_for(name)
@@ -963,7 +1031,7 @@ def test_graph_gradients_and_cleanup(name):
     assert not report.failures, "\n".join(report.failures)
 
 
-@pytest.mark.filterwarnings(_NESTED_WARNING)
+@pytest.mark.filterwarnings(_NESTED_WARNING, _CREATE_GRAPH_WARNING)
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_attribution_matches_oracle(name):
     report = report_for(name)
@@ -981,7 +1049,7 @@ def _on_cuda(value: Any) -> Any:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.filterwarnings(_NESTED_WARNING)
+@pytest.mark.filterwarnings(_NESTED_WARNING, _CREATE_GRAPH_WARNING)
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_graph_gradients_attribution_and_cleanup_on_cuda(name):  # pragma: no cover - GPU only
     """The same checks with the model and its inputs on a GPU (statistics stay there until one read-back)."""

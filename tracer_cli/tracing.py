@@ -1453,6 +1453,7 @@ class _TraceSession:
         # and their sequence numbers and names, read as they are made: a reentrant checkpoint's recompute graph
         # is freed before the trace ends, and a custom Function's node then has neither (torch 2.1 crashes)
         self.backward_ids: dict[int, tuple[int, str]] = {}
+        self.renumbered: dict[Any, int] = {}  # node made in forward in another thread -> its number in this one
         self.forward_stats = False
         self.forward_slots: dict[int, int] = {}  # node id -> slot of the forward value its op produced
         self.sites: _SiteRecorder | None = None
@@ -1968,6 +1969,8 @@ class _TraceSession:
         backward = {at(old): creator for old, creator in self.created_in.items() if old in position_of}
         # per field, the value for each kept node
         seqs = [node._sequence_nr() for node in kept] if not backward else self._sequence_nrs(kept, keep)  # a leaf's is 2**64-1
+        if self.renumbered:  # made in forward by a backward of the model's own, in a device's thread
+            seqs = list(map(self.renumbered.get, kept, seqs))
         modules = _intervals_at(self.tracker.bound_seqs, self.tracker.bound_modules, seqs)
         sources: list[str | None] = [None] * len(kept)
         stacks: list[tuple[str, ...] | None] = [None] * len(kept)
@@ -2111,6 +2114,7 @@ class _TraceSession:
         from the leaves up, a 100k-node chain would be destroyed by one deep recursion (a crash).
         """
         self.forward_values.clear()  # these hold nodes in forward order: leaves first
+        self.renumbered.clear()
         self.custom_calls.clear()
         self.log.clear()
         self.index.clear()  # the nodes are still in self.nodes
@@ -2281,6 +2285,107 @@ def _storage_freed(tensor: Any) -> bool:
 def _holds_stat(stats: tuple | None) -> bool:
     """Whether a call's statistics (None: it did not run) hold one that is not None."""
     return bool(stats) and stats.count(None) < len(stats)
+
+
+# A backward that forward runs itself (torch.autograd.grad(..., create_graph=True): a gradient penalty, a
+# physics-informed loss) runs a device's part in the engine's thread for that device, and the nodes it makes
+# there are numbered by that thread's counter, not by the calling thread's: their numbers would place them in
+# no module, or in another one. While forward runs, the function through which torch.autograd.grad and
+# backward call the engine (torch.autograd._engine_run_backward; torch.autograd.grad itself before torch
+# had one) is _run_backward, which hands each call to the innermost renumbering of the calling thread (other
+# threads' calls go straight to torch's): patched and put back as gradcheck.recording_calls does
+# Function.apply, so that two threads tracing at once keep theirs.
+_inner_backwards: dict[int, list[Callable[..., Any]]] = {}  # thread -> its renumberings, innermost last
+_inner_backwards_lock = threading.Lock()
+_torch_run_backward: Any = None  # torch's function while _run_backward is in its place
+
+
+def _run_backward(*args: Any, **kwargs: Any) -> Any:
+    renumberings = _inner_backwards.get(threading.get_ident())
+    return (renumberings[-1] if renumberings else _torch_run_backward)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _renumbering_inner_backwards(renumbered: dict[Any, int]) -> Iterator[None]:
+    """While forward runs: each node that a backward run by this thread had made in another thread (a device's)
+    goes in ``renumbered``, under the number this thread's counter had when the backward began, so that it
+    belongs to the module and the line that ran it, as the nodes made in this thread do."""
+    global _torch_run_backward
+    import torch
+
+    autograd, Tensor = torch.autograd, torch.Tensor
+    name = "_engine_run_backward" if hasattr(autograd, "_engine_run_backward") else "grad"
+    next_sequence_nr = torch._C._autograd._get_sequence_nr
+    thread = threading.get_ident()
+
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
+        first = next_sequence_nr()
+        result = inner(*args, **kwargs)
+        try:
+            made_here = range(first, next_sequence_nr())
+            made_from = [t.grad_fn for t in _flat(result, Tensor) if t.grad_fn is not None]  # (create_graph=True)
+            accumulated = kwargs.get("accumulate_grad")  # a backward(): into the leaves' .grad
+            if made_from or accumulated:
+                # the graph the backward ran through, from the tensors (or gradient edges) it was given: what was
+                # there before it
+                known = _graph_from(map(_node_of, _flat((args, kwargs), Tensor)))
+                if accumulated:
+                    grads = [getattr(getattr(node, "variable", None), "grad", None) for node in known]
+                    made_from += [grad.grad_fn for grad in grads if grad is not None]
+                for node in _graph_from(made_from, known):
+                    if node._sequence_nr() not in made_here:
+                        renumbered[node] = first
+        except Exception:  # attribution only: never the model's failure
+            pass
+        return result
+
+    with _inner_backwards_lock:
+        if not _inner_backwards:
+            _torch_run_backward = getattr(autograd, name)
+            setattr(autograd, name, _run_backward)
+        renumberings = _inner_backwards.setdefault(thread, [])
+        inner = renumberings[-1] if renumberings else _torch_run_backward
+        renumberings.append(run_backward)
+    try:
+        yield
+    finally:
+        with _inner_backwards_lock:
+            renumberings.remove(run_backward)
+            if not renumberings:
+                del _inner_backwards[thread]
+            if not _inner_backwards:
+                setattr(autograd, name, _torch_run_backward)
+                _torch_run_backward = None
+
+
+def _flat(value: Any, tensor_type: type) -> list[Any]:
+    """The tensors and gradient edges (``GradientEdge``, a named tuple with a node) in nested tuples, lists and
+    dicts."""
+    if isinstance(value, tensor_type) or (isinstance(value, tuple) and hasattr(value, "node")):
+        return [value]
+    if isinstance(value, dict):
+        value = tuple(value.values())
+    if isinstance(value, (tuple, list)):
+        return [item for part in value for item in _flat(part, tensor_type)]
+    return []
+
+
+def _node_of(value: Any) -> Any:
+    """A tensor's grad_fn, or a gradient edge's node."""
+    return value.node if isinstance(value, tuple) else value.grad_fn
+
+
+def _graph_from(roots: Iterable[Any], stop: set[Any] | frozenset[Any] = frozenset()) -> set[Any]:
+    """The nodes reachable from ``roots`` (None ones skipped) through ``next_functions``, not through ``stop``."""
+    seen: set[Any] = set()
+    stack = [node for node in roots if node is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stop:
+            continue
+        seen.add(node)
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return seen
 
 
 def _intervals_at(starts: list[int], values: list[Any], seqs: list[int]) -> list[Any]:
@@ -2580,6 +2685,7 @@ def trace(
         # forward values, a mode runs per op anyway (line tracing would slow its every frame): it records them
         by_lines = session.sites is not None and not (stacks or forward_stats or tracker.compiled) and sys.gettrace() is None
         with contextlib.ExitStack() as forward_context:
+            forward_context.enter_context(_renumbering_inner_backwards(session.renumbered))
             if forward_stats or (session.sites is not None and not by_lines):
                 forward_context.enter_context(_forward_mode_class()(session, None if by_lines else session.sites))
             if by_lines:
