@@ -6,7 +6,9 @@ How it works (see AUTOGRAD_FACTS.md for the measurements behind each choice):
   the autograd sequence number about to be assigned. A node created in forward
   belongs to the innermost module active when its ``_sequence_nr()`` was taken,
   which a lookup over those boundaries finds. This also places nodes made
-  inside an op (``TBackward0`` of ``F.linear``) and custom Function nodes.
+  inside an op (``TBackward0`` of ``F.linear``) and custom Function nodes. Nodes
+  that a backward run in forward made in another thread (a GPU's engine thread)
+  are numbered as made where it was called (_renumbering_inner_backwards).
 * Creation sites, the same way: line events of the user's frames (``sys.settrace``)
   mark the sequence number each line's ops take.
 * Hooks. After forward, the graph is walked from the loss and a post-hook is put
@@ -14,10 +16,12 @@ How it works (see AUTOGRAD_FACTS.md for the measurements behind each choice):
   which node runs (torch's registration callback, which makes a RemovableHandle per
   hook, is replaced meanwhile: see _node_hooks). A hook only logs what the node
   received and sent. A large gradient's norm is queued at once (a BLAS dot
-  product on the gradient's device), and the gradient is not kept; small
-  gradients wait, and their norms are taken in batches, one stack and one norm
-  per shape and dtype, before a custom Function's backward runs (Python that
-  might change them in place) and at the end. All values are read back in one
+  product on the CPU, read at once and taken again scaled where its squares left
+  the dtype's range; on a device, a norm in float64, which needs no read), and
+  the gradient is not kept; small gradients wait, and their norms are taken in
+  batches, one stack and one norm per shape and dtype, before a custom
+  Function's backward runs (Python that might change them in place) and at the
+  end. All values are read back in one
   transfer per device at the end, so there is no host sync per node (a CPU
   tensor's norm taken alone is read at once: no device to wait for).
 * Nodes created during backward. Only Python code can create nodes while backward
@@ -1075,9 +1079,9 @@ class _Stats:
         return out, squared
 
     def _accumulate(self, dtype: Any, out: Any) -> dict[str, Any]:
-        """The ``dtype`` keyword of a norm of ``dtype`` elements written into ``out`` (or returned: None): float64
-        into a float64 ``out``, else float32, so bf16/fp16 gradients do not overflow the norm; float64 and complex
-        elements in their own dtype."""
+        """The ``dtype`` keyword of a norm of ``dtype`` elements: float64 where it goes into a float64 ``out`` (a
+        device's norm: :meth:`_norm`), else float32, so bf16/fp16 gradients do not overflow it; none for float64
+        and complex elements (their own dtype)."""
         if dtype in self._wide:
             return {}
         return {"dtype": self._float64 if out is not None and out.dtype is self._float64 else self._float32}
