@@ -40,17 +40,25 @@ class Interrupt(torch.autograd.Function):
         raise KeyboardInterrupt
 
 
+def _engine_entry():
+    """What a trace replaces while forward runs, to see the nodes a backward run in forward makes in another
+    thread (tracing._renumbering_inner_backwards)."""
+    return torch.autograd.__dict__.get("_engine_run_backward", torch.autograd.grad)
+
+
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_interrupt_propagates_and_leaves_the_model_clean(where):
     from torch.autograd.function import _HookMixin
 
     torch_register = _HookMixin.__dict__["_register_hook"]
+    engine_entry = _engine_entry()
     model = Interrupting(where)
     model.eval()
     modes_before = torch._C._len_torch_function_stack()
     with pytest.raises(KeyboardInterrupt):
         trace(model, torch.randn(2, 3), train=True)
     assert _HookMixin.__dict__["_register_hook"] is torch_register  # torch's hook registration is back
+    assert _engine_entry() is engine_entry
     assert not model.training
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert torch._C._len_torch_function_stack() == modes_before
@@ -809,10 +817,11 @@ def test_two_threads_recording_custom_functions_at_once_each_record_their_own_an
     """Each trace records its thread's custom Function calls (for --gradcheck) through Function.apply, one
     attribute for the process. Two traces in two threads, the first to start also the first to end: each
     checks its own Function, and afterwards Function.apply is torch's again (it was left pointing at a
-    finished trace, which then hooked the graph of every custom Function applied later)."""
+    finished trace, which then hooked the graph of every custom Function applied later); so is the engine's
+    entry, replaced the same way while forward runs."""
     import threading
 
-    original = torch.autograd.Function.__dict__["apply"]
+    original, engine_entry = torch.autograd.Function.__dict__["apply"], _engine_entry()
     both_inside, first_done = threading.Barrier(2, timeout=30), threading.Event()
 
     def function(name, scale, wait):
@@ -847,7 +856,7 @@ def test_two_threads_recording_custom_functions_at_once_each_record_their_own_an
         thread.start()
     for thread in threads:
         thread.join()
-    assert torch.autograd.Function.__dict__["apply"] is original
+    assert torch.autograd.Function.__dict__["apply"] is original and _engine_entry() is engine_entry
     for name in ("First", "Second"):
         (node,) = results[name].find(f"{name}Backward")
         assert node.gradcheck is not None and node.gradcheck.passed, name
