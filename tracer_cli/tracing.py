@@ -2294,19 +2294,28 @@ def _holds_stat(stats: tuple | None) -> bool:
 # A backward that forward runs itself (torch.autograd.grad(..., create_graph=True): a gradient penalty, a
 # physics-informed loss) runs a device's part in the engine's thread for that device, and the nodes it makes
 # there are numbered by that thread's counter, not by the calling thread's: their numbers would place them in
-# no module, or in another one. While forward runs, the function through which torch.autograd.grad and
-# backward call the engine (torch.autograd._engine_run_backward; torch.autograd.grad itself before torch
-# had one) is _run_backward, which hands each call to the innermost renumbering of the calling thread (other
-# threads' calls go straight to torch's): patched and put back as gradcheck.recording_calls does
-# Function.apply, so that two threads tracing at once keep theirs.
+# no module, or in another one. While forward runs, the engine object through which torch.autograd.grad and
+# backward reach the engine, however they were imported (Variable._execution_engine), is an _EngineProxy:
+# its run_backward hands each call to the innermost renumbering of the calling thread (other threads' calls
+# go straight to torch's), its other attributes are torch's. Put in place and back as
+# gradcheck.recording_calls does Function.apply, so that two threads tracing at once keep theirs.
 _inner_backwards: dict[int, list[Callable[..., Any]]] = {}  # thread -> its renumberings, innermost last
 _inner_backwards_lock = threading.Lock()
-_torch_run_backward: Any = None  # torch's function while _run_backward is in its place
+_torch_engine: Any = None  # torch's engine object while an _EngineProxy is in its place
 
 
-def _run_backward(*args: Any, **kwargs: Any) -> Any:
-    renumberings = _inner_backwards.get(threading.get_ident())
-    return (renumberings[-1] if renumberings else _torch_run_backward)(*args, **kwargs)
+class _EngineProxy:
+    """torch's engine object, but for ``run_backward``, which goes through the calling thread's renumbering."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        renumberings = _inner_backwards.get(threading.get_ident())
+        return (renumberings[-1] if renumberings else self._engine.run_backward)(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # queue_callback (DDP, FSDP), is_checkpoint_valid
+        return getattr(self._engine, name)
 
 
 @contextlib.contextmanager
@@ -2314,11 +2323,11 @@ def _renumbering_inner_backwards(renumbered: dict[Any, int]) -> Iterator[None]:
     """While forward runs: each node that a backward run by this thread had made in another thread (a device's)
     goes in ``renumbered``, under the number this thread's counter had when the backward began, so that it
     belongs to the module and the line that ran it, as the nodes made in this thread do."""
-    global _torch_run_backward
+    global _torch_engine
     import torch
+    from torch.autograd.variable import Variable
 
-    autograd, Tensor = torch.autograd, torch.Tensor
-    name = "_engine_run_backward" if hasattr(autograd, "_engine_run_backward") else "grad"
+    Tensor = torch.Tensor
     next_sequence_nr = torch._C._autograd._get_sequence_nr
     thread = threading.get_ident()
 
@@ -2345,10 +2354,10 @@ def _renumbering_inner_backwards(renumbered: dict[Any, int]) -> Iterator[None]:
 
     with _inner_backwards_lock:
         if not _inner_backwards:
-            _torch_run_backward = getattr(autograd, name)
-            setattr(autograd, name, _run_backward)
+            _torch_engine = Variable._execution_engine
+            Variable._execution_engine = _EngineProxy(_torch_engine)
         renumberings = _inner_backwards.setdefault(thread, [])
-        inner = renumberings[-1] if renumberings else _torch_run_backward
+        inner = renumberings[-1] if renumberings else _torch_engine.run_backward
         renumberings.append(run_backward)
     try:
         yield
@@ -2358,8 +2367,8 @@ def _renumbering_inner_backwards(renumbered: dict[Any, int]) -> Iterator[None]:
             if not renumberings:
                 del _inner_backwards[thread]
             if not _inner_backwards:
-                setattr(autograd, name, _torch_run_backward)
-                _torch_run_backward = None
+                Variable._execution_engine = _torch_engine
+                _torch_engine = None
 
 
 def _flat(value: Any, tensor_type: type) -> list[Any]:
