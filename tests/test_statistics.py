@@ -152,6 +152,34 @@ def test_large_permuted_and_strided_gradients_match_norms_taken_in_the_hook(devi
     assert result.find("PermuteBackward0") and result.find("TransposeBackward0") and result.find("CatBackward0")
 
 
+@pytest.mark.parametrize("function, shape", [(_mixed, None), (_heads, (256, 128))], ids=["small", "large"])
+def test_a_device_without_float64_gets_float32_norms(monkeypatch, function, shape):
+    """Apple's MPS has no float64: a norm on such a device is taken in float32 (its range unchecked there), not
+    left unknown. Simulated on the CPU taken for a device that has no float64."""
+    monkeypatch.setattr(tracing._Stats, "_reads_at_once", lambda self, tensor: False)
+    monkeypatch.setattr(tracing._Stats, "_exact_dtype", lambda self, device: torch.float32)
+    torch.manual_seed(0)
+    args = _inputs() if shape is None else (torch.randn(shape),)
+    result = trace(function, args)
+    compare_with_hooks(result, _reference_loss(function, args))
+    assert all(s.norm is not None for n in result.nodes for _, _, s in n.stats())
+
+
+def test_a_device_that_refuses_float64_is_known_by_trying_it(monkeypatch):
+    """A device's norms are taken in float64 where it makes a float64 tensor, in float32 where it refuses to (as
+    MPS does, with a TypeError)."""
+    zeros = torch.zeros
+
+    def refuse(*args, dtype=None, **kwargs):
+        if dtype is torch.float64:
+            raise TypeError("Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't support float64")
+        return zeros(*args, dtype=dtype, **kwargs)
+
+    assert tracing._Stats()._exact_dtype(torch.device("cpu")) is torch.float64
+    monkeypatch.setattr(torch, "zeros", refuse)
+    assert tracing._Stats()._exact_dtype(torch.device("cpu")) is torch.float32
+
+
 def test_small_parameter_gradients_are_normed_in_batches(monkeypatch, device):
     """A deep stack of small layers, whose gradients vanish on the way down (about 1e-20 at the first layers):
     each parameter's gradient, as it arrives and as ``.grad`` after backward, waits for a batched norm

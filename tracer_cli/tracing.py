@@ -1000,6 +1000,7 @@ class _Stats:
         # result dtype -> (least square, least norm) read as exact
         self._tiny = {torch.float32: (TINY_SQUARE, TINY_NORM), torch.float64: (TINY_SQUARE_64, TINY_NORM_64)}
         self._buffers: dict[tuple, list[Any]] = {}  # (device, dtype) -> [values, first position, used]
+        self._exact: dict[Any, Any] = {}  # device -> the dtype its narrow tensors are normed in (:meth:`_exact_dtype`)
         self._squared: list[int] = []  # positions that hold a squared norm
         self._joints: list[tuple[int, list[int]]] = []  # (position, positions of the norms it is the joint norm of)
         self.shapes: list[Any] = []
@@ -1185,10 +1186,11 @@ class _Stats:
             return self._read_now(math.sqrt(value) if squared else value)
         # on a device, where reading a norm to check its range would synchronise: bf16, fp16 and float32 elements
         # are normed in float64, which holds their squares; float64 and complex ones scaled by their largest
-        dtype = tensor.dtype
-        if dtype in self._wide and type(tensor) is self._plain:
+        dtype, device = tensor.dtype, tensor.device
+        exact = self._exact_dtype(device)
+        if dtype in self._wide and type(tensor) is self._plain and exact is self._float64:
             return self.value(self._scaled_norm(tensor, False))
-        key = (tensor.device, self._float64 if dtype in self._narrow else self._result_dtype(dtype))
+        key = (device, exact if dtype in self._narrow else self._result_dtype(dtype))
         buffer = self._buffers.get(key)
         if buffer is None or buffer[2] == OUT_CHUNK:
             values = self._torch.empty(OUT_CHUNK, dtype=key[1], device=key[0])
@@ -1201,6 +1203,19 @@ class _Stats:
         if squared:
             self._squared.append(first + used)
         return first + used
+
+    def _exact_dtype(self, device: Any) -> Any:
+        """The dtype a device's bf16, fp16 and float32 tensors are normed in: float64, which holds their squares,
+        where the device has it; float32 where it has not (Apple's MPS), their range then unchecked."""
+        exact = self._exact.get(device)
+        if exact is None:
+            try:
+                self._torch.zeros(1, dtype=self._float64, device=device)
+                exact = self._float64
+            except Exception:
+                exact = self._float32
+            self._exact[device] = exact
+        return exact
 
     def _read_now(self, norm: float) -> int:
         """Queue a norm read already; its position."""
@@ -1314,10 +1329,11 @@ class _Stats:
     def _stacked_norms(self, stacked: Any, dtype: Any) -> range:
         """Queue the norm of each of the stacked tensors (one op); their positions."""
         rows = stacked.reshape(len(stacked), math.prod(stacked.shape[1:]))  # (-1 fails on empty tensors)
-        if dtype in self._narrow and (rows.numel() <= DIRECT_WIDE_NUMEL or not self._readable_now(stacked, stacked)):
+        readable = self._readable_now(stacked, stacked)
+        if dtype in self._narrow and (rows.numel() <= DIRECT_WIDE_NUMEL or not readable):
             # float64 holds their squares: no range to check (as on a device, where it cannot be read to check)
-            norms = self._vector_norm(rows, dim=1, dtype=self._float64)
-        elif dtype in self._wide and not self._readable_now(stacked, stacked):
+            norms = self._vector_norm(rows, dim=1, dtype=self._float64 if readable else self._exact_dtype(rows.device))
+        elif dtype in self._wide and not readable and self._exact_dtype(rows.device) is self._float64:
             norms = self._scaled_norms(rows, False)  # on a device: scaled, its range unchecked
         else:
             norms = self._vector_norm(rows, dim=1) if dtype in self._wide else self._vector_norm(rows, dim=1, dtype=self._float32)
