@@ -1370,13 +1370,11 @@ class _Stats:
             tensor = chunk[0]
             groups = by_device.setdefault(tensor.device, {})
             groups.setdefault((tensor.dim() == 0, tensor.dtype), []).append(chunk)
-        for groups in by_device.values():
+        for device, groups in by_device.items():
+            exact = self._exact_dtype(device)  # float64, but where the device has none (MPS)
             try:
                 flat = torch.cat(
-                    [
-                        (torch.stack if zero_d else torch.cat)([t for t, _ in group]).to(torch.float64)
-                        for (zero_d, _), group in groups.items()
-                    ]
+                    [(torch.stack if zero_d else torch.cat)([t for t, _ in group]).to(exact) for (zero_d, _), group in groups.items()]
                 ).tolist()
             except Exception:  # tensor subclasses that refuse to stack: one by one
                 for group in groups.values():
