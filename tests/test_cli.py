@@ -422,6 +422,26 @@ def test_cuda_unavailable_is_usage_error(runner, tmp_path):
     assert "CUDA is not available" in result.stderr
 
 
+def _usable(device: str) -> bool:
+    try:
+        torch.empty(0, device=device)
+    except Exception:  # noqa: BLE001 (any refusal: not usable here)
+        return False
+    return True
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu", f"cuda:{torch.cuda.device_count()}"])
+def test_a_device_this_torch_cannot_use_is_a_usage_error(runner, tmp_path, device):
+    """A device of a type this torch was not built for, or a GPU index past the last one: exit 2 and why, not
+    an internal error."""
+    if _usable(device):  # pragma: no cover - a Mac's MPS, an Intel GPU
+        pytest.skip(f"{device} is usable here")
+    path = write_model(tmp_path, MLP_FILE)
+    result = invoke(runner, "run", str(path), "--device", device)
+    assert result.exit_code == 2, result.stderr
+    assert f"device {device!r}" in result.stderr and "internal error" not in result.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("sample", ["mlp", "transformer", "nan_where"])
 def test_a_run_on_cuda_traces_what_a_run_on_the_cpu_does(runner, tmp_path, sample):  # pragma: no cover - GPU only

@@ -359,7 +359,7 @@ class PreparedRun:
 
 
 def parse_device(device: str) -> Any:
-    """Validate ``--device``; CUDA must be available when asked for."""
+    """Validate ``--device``: CUDA must be available when asked for, and any other device usable here."""
     import torch
 
     try:
@@ -370,6 +370,17 @@ def parse_device(device: str) -> Any:
         raise UsageError(f"device {device!r} was asked for, but CUDA is not available here", hint="use --device cpu")
     if parsed.type == "meta":
         raise UsageError("device 'meta' holds no values, so there are no gradients to measure", hint="use --device cpu")
+    if parsed.type != "cpu":
+        try:  # a type this torch was not built for (mps elsewhere than on a Mac), a GPU index past the last one
+            torch.empty(0, device=parsed)
+        except Exception as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]  # torch's first sentence
+            reason = reason if len(reason) <= 160 else reason[:157] + "..."
+            raise UsageError(
+                f"device {device!r} cannot be used here (this torch is not built for it, or there is no such device): "
+                f"{reason}",
+                hint="use --device cpu",
+            ) from exc
     return parsed
 
 
