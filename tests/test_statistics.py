@@ -168,15 +168,15 @@ def test_a_device_without_float64_gets_float32_norms(monkeypatch, function, shap
 def test_a_device_that_refuses_float64_is_known_by_trying_it(monkeypatch):
     """A device's norms are taken in float64 where it makes a float64 tensor, in float32 where it refuses to (as
     MPS does, with a TypeError)."""
-    zeros = torch.zeros
+    empty = torch.empty
 
     def refuse(*args, dtype=None, **kwargs):
         if dtype is torch.float64:
             raise TypeError("Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't support float64")
-        return zeros(*args, dtype=dtype, **kwargs)
+        return empty(*args, dtype=dtype, **kwargs)
 
     assert tracing._Stats()._exact_dtype(torch.device("cpu")) is torch.float64
-    monkeypatch.setattr(torch, "zeros", refuse)
+    monkeypatch.setattr(torch, "empty", refuse)
     assert tracing._Stats()._exact_dtype(torch.device("cpu")) is torch.float32
 
 

@@ -1210,7 +1210,7 @@ class _Stats:
         exact = self._exact.get(device)
         if exact is None:
             try:
-                self._torch.zeros(1, dtype=self._float64, device=device)
+                self._torch.empty(1, dtype=self._float64, device=device)  # (MPS refuses float64 here; no kernel runs)
                 exact = self._float64
             except Exception:
                 exact = self._float32
