@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -22,8 +23,6 @@ def timed(fn, x: torch.Tensor, device: torch.device, repeats: int = 50) -> float
     for _ in range(3):
         fn(x)
     if device.type != "cuda":
-        import time
-
         times = []
         for _ in range(repeats):
             start = time.perf_counter()

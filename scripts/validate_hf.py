@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from tests.test_architectures import check_model  # noqa: E402
+from tests.test_architectures import check_model, to_device  # noqa: E402
 
 VOCAB = 1000
 BATCH, SEQ = 2, 12
@@ -165,17 +165,6 @@ CASES = [
     ("llama ckpt reentrant", llama("reentrant"), causal_lm_inputs(True)),
     ("t5 (labels)", t5, t5_inputs),
 ]
-
-
-def to_device(value, device: str):
-    """Tensors in nested tuples, lists and dicts, moved to ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(to_device(item, device) for item in value)
-    if isinstance(value, dict):
-        return {key: to_device(item, device) for key, item in value.items()}
-    return value
 
 
 def on_device(build, make_inputs, device: str):

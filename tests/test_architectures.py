@@ -1038,13 +1038,14 @@ def test_attribution_matches_oracle(name):
     assert not report.attribution_failures, "\n".join(report.attribution_failures)
 
 
-def _on_cuda(value: Any) -> Any:
+def to_device(value: Any, device: str) -> Any:
+    """Tensors in nested tuples, lists and dicts, moved to ``device`` (also for ``scripts/validate_hf.py``)."""
     if isinstance(value, torch.Tensor):
-        return value.cuda()
+        return value.to(device)
     if isinstance(value, (tuple, list)):
-        return type(value)(map(_on_cuda, value))
+        return type(value)(to_device(item, device) for item in value)
     if isinstance(value, dict):
-        return {key: _on_cuda(item) for key, item in value.items()}
+        return {key: to_device(item, device) for key, item in value.items()}
     return value
 
 
@@ -1056,7 +1057,7 @@ def test_graph_gradients_attribution_and_cleanup_on_cuda(name):  # pragma: no co
     spec = ARCHITECTURES[name]
     build, make_inputs = spec["build"], spec["make_inputs"]
     report = check_model(
-        name, lambda: build().cuda(), lambda: _on_cuda(make_inputs()), spec.get("loss_fn"), trace_train=spec.get("trace_train")
+        name, lambda: build().cuda(), lambda: to_device(make_inputs(), "cuda"), spec.get("loss_fn"), trace_train=spec.get("trace_train")
     )
     assert report.nodes_traced > 0
     assert not report.all_failures(), "\n".join(report.all_failures())

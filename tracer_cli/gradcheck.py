@@ -17,12 +17,11 @@ tensors), and fails if either fails:
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Callable, Iterator
 
 from .errors import first_line
 from .records import Gradcheck
-from .tracing import _tensors_in
+from .tracing import _PerThread, _tensors_in
 
 # Functions of PyTorch's own machinery: their "backward" is autograd itself (a checkpoint), or code torch.compile
 # generated from autograd's (a compiled region, whose backward also runs only once): nothing of the user's to check.
@@ -32,23 +31,33 @@ RTOL = 1e-3  # PyTorch gradcheck's own relative tolerance
 _ROUNDING = 10 * 2.0**-52  # float64 rounding of each output value, with a margin
 
 
-# Function.apply is one attribute for the whole process: while any thread records, it is _apply, which
-# hands each call to the innermost recorder of the calling thread (each recorder calls the one it was
-# opened inside, the outermost torch's apply); other threads' calls go straight to torch's apply. Patched
-# and put back per recorder instead, two threads tracing at once put each other's patch back, and one
-# stayed in place after both had ended.
-_recorders: dict[int, list[Callable[..., Any]]] = {}  # thread -> its recorders' apply, innermost last
-_recorders_lock = threading.Lock()
-_torch_apply: Any = None  # torch's Function.apply while _apply is in its place
+# Function.apply is one attribute for the whole process: while any thread records, it is _apply, which hands
+# each call to the innermost recorder of the calling thread (each recorder calls the one it was opened inside,
+# the outermost torch's apply); other threads' calls go straight to torch's apply.
+def _install_apply() -> Any:
+    import torch
+
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]  # a classmethod; from torch 2.14 a C classmethod_descriptor
+    function.apply = classmethod(_apply)
+    return original
+
+
+def _restore_apply(original: Any) -> None:
+    import torch
+
+    torch.autograd.Function.apply = original
+
+
+_APPLY = _PerThread(_install_apply, _restore_apply)
 
 
 def _torch_call(cls: type, *args: Any, **kwargs: Any) -> Any:
-    return _torch_apply.__get__(None, cls)(*args, **kwargs)  # bound to cls: either kind of classmethod
+    return _APPLY.original.__get__(None, cls)(*args, **kwargs)  # bound to cls: either kind of classmethod
 
 
 def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-    recorders = _recorders.get(threading.get_ident())
-    return (recorders[-1] if recorders else _torch_call)(cls, *args, **kwargs)
+    return (_APPLY.handler() or _torch_call)(cls, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -64,12 +73,9 @@ def recording_calls(
     each tensor output, in order (what the backward receives a gradient for). ``args`` and
     ``kwargs`` are kept only with ``keep_args`` (they hold the inputs alive until the check).
     """
-    global _torch_apply
     import torch
 
-    function = torch.autograd.Function
     next_sequence_nr = torch._C._autograd._get_sequence_nr
-    thread = threading.get_ident()
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         first = next_sequence_nr()
@@ -92,23 +98,9 @@ def recording_calls(
                 break
         return output
 
-    with _recorders_lock:
-        if not _recorders:
-            _torch_apply = function.__dict__["apply"]  # a classmethod; from torch 2.14 a C classmethod_descriptor
-            function.apply = classmethod(_apply)
-        recorders = _recorders.setdefault(thread, [])
-        inner = recorders[-1] if recorders else _torch_call
-        recorders.append(apply)
-    try:
+    with _APPLY.handling(apply) as outer:
+        inner = outer or _torch_call
         yield
-    finally:
-        with _recorders_lock:
-            recorders.remove(apply)
-            if not recorders:
-                del _recorders[thread]
-            if not _recorders:
-                function.apply = _torch_apply
-                _torch_apply = None
 
 
 def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck | None:

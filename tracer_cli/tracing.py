@@ -2305,19 +2305,52 @@ def _holds_stat(stats: tuple | None) -> bool:
     return bool(stats) and stats.count(None) < len(stats)
 
 
+class _PerThread:
+    """A replacement of one process-wide attribute of torch's (``Function.apply``, the engine object) that hands
+    each call to the innermost handler of the calling thread; other threads' calls go to what it replaced. Put
+    in place when any thread opens the first handler, put back when the last closes: patched and put back per
+    handler instead, two threads tracing at once put each other's patch back, and one stayed in place after
+    both had ended."""
+
+    def __init__(self, install: Callable[[], Any], restore: Callable[[Any], None]) -> None:
+        self._install, self._restore = install, restore  # install() puts the replacement in, returns what it replaced
+        self._handlers: dict[int, list[Callable[..., Any]]] = {}  # thread -> its handlers, innermost last
+        self._lock = threading.Lock()
+        self.original: Any = None  # what the replacement replaced (torch's)
+
+    def handler(self) -> Callable[..., Any] | None:
+        """The calling thread's innermost handler; None where it has none."""
+        handlers = self._handlers.get(threading.get_ident())
+        return handlers[-1] if handlers else None
+
+    @contextlib.contextmanager
+    def handling(self, handler: Callable[..., Any]) -> Iterator[Callable[..., Any] | None]:
+        """``handler`` is the calling thread's innermost while the block runs; yields the one it was opened
+        inside, which it calls on to (None: the outermost, which calls :attr:`original`)."""
+        thread = threading.get_ident()
+        with self._lock:
+            if not self._handlers:
+                self.original = self._install()
+            handlers = self._handlers.setdefault(thread, [])
+            outer = handlers[-1] if handlers else None
+            handlers.append(handler)
+        try:
+            yield outer
+        finally:
+            with self._lock:
+                handlers.remove(handler)
+                if not handlers:
+                    del self._handlers[thread]
+                if not self._handlers:
+                    self._restore(self.original)
+
+
 # A backward that forward runs itself (torch.autograd.grad(..., create_graph=True): a gradient penalty, a
 # physics-informed loss) runs a device's part in the engine's thread for that device, and the nodes it makes
 # there are numbered by that thread's counter, not by the calling thread's: their numbers would place them in
 # no module, or in another one. While forward runs, the engine object through which torch.autograd.grad and
-# backward reach the engine, however they were imported (Variable._execution_engine), is an _EngineProxy:
-# its run_backward hands each call to the innermost renumbering of the calling thread (other threads' calls
-# go straight to torch's), its other attributes are torch's. Put in place and back as
-# gradcheck.recording_calls does Function.apply, so that two threads tracing at once keep theirs.
-_inner_backwards: dict[int, list[Callable[..., Any]]] = {}  # thread -> its renumberings, innermost last
-_inner_backwards_lock = threading.Lock()
-_torch_engine: Any = None  # torch's engine object while an _EngineProxy is in its place
-
-
+# backward reach the engine, however they were imported (Variable._execution_engine), is an _EngineProxy,
+# whose run_backward goes through the calling thread's renumbering (_ENGINE), its other attributes torch's.
 class _EngineProxy:
     """torch's engine object, but for ``run_backward``, which goes through the calling thread's renumbering."""
 
@@ -2325,11 +2358,27 @@ class _EngineProxy:
         self._engine = engine
 
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
-        renumberings = _inner_backwards.get(threading.get_ident())
-        return (renumberings[-1] if renumberings else self._engine.run_backward)(*args, **kwargs)
+        return (_ENGINE.handler() or self._engine.run_backward)(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # queue_callback (DDP, FSDP), is_checkpoint_valid
         return getattr(self._engine, name)
+
+
+def _install_engine_proxy() -> Any:
+    from torch.autograd.variable import Variable
+
+    engine = Variable._execution_engine
+    Variable._execution_engine = _EngineProxy(engine)
+    return engine
+
+
+def _restore_engine(engine: Any) -> None:
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine = engine
+
+
+_ENGINE = _PerThread(_install_engine_proxy, _restore_engine)
 
 
 @contextlib.contextmanager
@@ -2337,25 +2386,23 @@ def _renumbering_inner_backwards(renumbered: dict[Any, int]) -> Iterator[None]:
     """While forward runs: each node that a backward run by this thread had made in another thread (a device's)
     goes in ``renumbered``, under the number this thread's counter had when the backward began, so that it
     belongs to the module and the line that ran it, as the nodes made in this thread do."""
-    global _torch_engine
     import torch
-    from torch.autograd.variable import Variable
 
     Tensor = torch.Tensor
+    given = (Tensor, getattr(torch.autograd.graph, "GradientEdge", ()))  # what a backward is given (no edges in 2.1)
     next_sequence_nr = torch._C._autograd._get_sequence_nr
-    thread = threading.get_ident()
 
     def run_backward(*args: Any, **kwargs: Any) -> Any:
         first = next_sequence_nr()
         result = inner(*args, **kwargs)
         try:
             made_here = range(first, next_sequence_nr())
-            made_from = [t.grad_fn for t in _flat(result, Tensor) if t.grad_fn is not None]  # (create_graph=True)
+            made_from = [t.grad_fn for t in _tensors_in(result, Tensor) if t.grad_fn is not None]  # (create_graph=True)
             accumulated = kwargs.get("accumulate_grad")  # a backward(): into the leaves' .grad
             if made_from or accumulated:
                 # the graph the backward ran through, from the tensors (or gradient edges) it was given: what was
                 # there before it
-                known = _graph_from(map(_node_of, _flat((args, kwargs), Tensor)))
+                known = _graph_from(t.grad_fn if isinstance(t, Tensor) else t.node for t in _tensors_in(args, given))
                 if accumulated:
                     grads = [getattr(getattr(node, "variable", None), "grad", None) for node in known]
                     made_from += [grad.grad_fn for grad in grads if grad is not None]
@@ -2366,40 +2413,9 @@ def _renumbering_inner_backwards(renumbered: dict[Any, int]) -> Iterator[None]:
             pass
         return result
 
-    with _inner_backwards_lock:
-        if not _inner_backwards:
-            _torch_engine = Variable._execution_engine
-            Variable._execution_engine = _EngineProxy(_torch_engine)
-        renumberings = _inner_backwards.setdefault(thread, [])
-        inner = renumberings[-1] if renumberings else _torch_engine.run_backward
-        renumberings.append(run_backward)
-    try:
+    with _ENGINE.handling(run_backward) as outer:
+        inner = outer or _ENGINE.original.run_backward
         yield
-    finally:
-        with _inner_backwards_lock:
-            renumberings.remove(run_backward)
-            if not renumberings:
-                del _inner_backwards[thread]
-            if not _inner_backwards:
-                Variable._execution_engine = _torch_engine
-                _torch_engine = None
-
-
-def _flat(value: Any, tensor_type: type) -> list[Any]:
-    """The tensors and gradient edges (``GradientEdge``, a named tuple with a node) in nested tuples, lists and
-    dicts."""
-    if isinstance(value, tensor_type) or (isinstance(value, tuple) and hasattr(value, "node")):
-        return [value]
-    if isinstance(value, dict):
-        value = tuple(value.values())
-    if isinstance(value, (tuple, list)):
-        return [item for part in value for item in _flat(part, tensor_type)]
-    return []
-
-
-def _node_of(value: Any) -> Any:
-    """A tensor's grad_fn, or a gradient edge's node."""
-    return value.node if isinstance(value, tuple) else value.grad_fn
 
 
 def _graph_from(roots: Iterable[Any], stop: set[Any] | frozenset[Any] = frozenset()) -> set[Any]:
