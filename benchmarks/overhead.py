@@ -9,6 +9,9 @@
     python benchmarks/overhead.py --memory        # also peak memory, one subprocess per method
     python benchmarks/overhead.py --device cuda   # on a GPU: each step timed to its end (synchronised);
                                                   # --memory then reads the allocator's peak, in process
+    python benchmarks/overhead.py gpt2-style-large tv-resnet50 --device cuda --rounds 5
+                                                  # GPU-sized steps (GPT-2 small at batch 8 x 512,
+                                                  # ResNet-50 at batch 64 x 224x224)
 
 For each workload, every method runs once per round, in turn (interleaved, so that a busy machine
 slows all of them alike); the table shows each method's median time and its ratio to the plain

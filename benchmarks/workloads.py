@@ -70,6 +70,15 @@ def gpt2_style() -> Workload:
     return model, (ids,), lambda loss: loss
 
 
+def gpt2_style_large() -> Workload:
+    """GPT-2-small-sized (12 layers, width 768, 12 heads, vocabulary 50,257), sequence 512, batch 8: a training
+    step of the size a GPU runs, where its kernels, not Python launching them, take the time (too slow for
+    this CPU machine's runs; named when wanted, as on a GPU)."""
+    model = GPT2Style(layers=12, width=768, heads=12, vocab=50257, context=512)
+    ids = torch.randint(0, 50257, (8, 512))
+    return model, (ids,), lambda loss: loss
+
+
 class _ResidualBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -269,6 +278,15 @@ def hf_bert() -> Workload:
     return model, (torch.randint(0, config.vocab_size, (4, 128)),), lambda loss: loss
 
 
+def tv_resnet50() -> Workload:
+    """torchvision's ResNet-50 (random weights, 1,000 classes): batch 64, 224x224 images, a GPU-sized step."""
+    import torchvision
+
+    model = torchvision.models.resnet50()
+    labels = torch.randint(0, 1000, (64,))
+    return model, (torch.randn(64, 3, 224, 224),), lambda logits: F.cross_entropy(logits, labels)
+
+
 def tv_resnet18() -> Workload:
     """torchvision's ResNet-18 (random weights, 10 classes): batch 32, 32x32 images."""
     import torchvision
@@ -295,6 +313,9 @@ if importlib.util.find_spec("torchvision") is not None:
 DEFAULT = list(WORKLOADS)  # what overhead.py runs unless told; the larger models below only when named
 WORKLOADS["resnet18"] = resnet18
 WORKLOADS["resnet-small"] = resnet_small
+WORKLOADS["gpt2-style-large"] = gpt2_style_large
+if importlib.util.find_spec("torchvision") is not None:
+    WORKLOADS["tv-resnet50"] = tv_resnet50
 if importlib.util.find_spec("transformers") is not None:
     WORKLOADS["hf-gpt2-base"] = hf_gpt2_base
     WORKLOADS["hf-bert"] = hf_bert

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run (CI has none): the CUDA-only tests, the Hugging Face models on the GPU,
-# the cost of norms there, the overhead benchmark on the GPU, then the whole suite where CUDA is available.
+# the cost of norms there, the overhead benchmark on the GPU (small models, then GPU-sized ones), a profile, then
+# the whole suite where CUDA is available.
 #
 #     bash scripts/gpu_check.sh [OUTDIR]      # logs under OUTDIR (default: $OUT, else /tmp/gpu_check)
 #     STEPS="cuda-tests suite" bash scripts/gpu_check.sh   # only these steps (names below)
@@ -43,8 +44,16 @@ step cuda-tests 150 python3 -m pytest -q -p no:cacheprovider -rs -k cuda tests
 step norm-cost 60 python3 benchmarks/norm_cost.py --device cuda
 TAIL=20 step validate-hf 120 python3 scripts/validate_hf.py --device cuda
 TAIL=16 step overhead 150 python3 benchmarks/overhead.py gpt2-style resnet-style wide-mlp tiny-ops deep-linear --device cuda --rounds 7 --memory
+# steps of the size a GPU trains at, where kernels, not Python, take the time
+TAIL=16 step overhead-large 200 python3 benchmarks/overhead.py gpt2-style-large tv-resnet50 hf-gpt2-base --device cuda --rounds 5
 TAIL=16 step profile 60 python3 benchmarks/profile_step.py gpt2-style --device cuda --steps 10 --top 30
-# the whole suite where CUDA is available, one test per line (what ran survives the time limit)
-TAIL=8 step suite 260 python3 -m pytest -p no:cacheprovider -p no:xdist -v --tb=short tests
+# the whole suite where CUDA is available, one test per line (what ran survives the time limit); in
+# WORKERS processes where pytest-xdist is installed (WORKERS=0: serial)
+if [ "${WORKERS:-12}" != 0 ] && python3 -c "import xdist" 2> /dev/null; then
+    parallel=(-n "${WORKERS:-12}")
+else
+    parallel=(-p no:xdist)
+fi
+TAIL=8 step suite "${SUITE_LIMIT:-280}" python3 -m pytest -p no:cacheprovider "${parallel[@]}" -v --tb=short tests
 grep -E "(FAILED|ERROR)( |$)" "$out/suite.log" | head -40
 exit $failed

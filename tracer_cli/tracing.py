@@ -1460,7 +1460,6 @@ class _TraceSession:
         # very object the next node receives, so its norm is taken once
         self._seen: dict[int, tuple[Any, int, int]] = {}
         self._blocks: dict[tuple, tuple[Any, int, int]] = {}  # the same, per set of elements in memory (_elements_key)
-        self.received: dict[int, list[list[int]]] = {}  # AccumulateGrad node -> grad_outputs slots, per call normed at once
         self.errors: list[str] = []
         self.running_custom: list[int] = []
         self.modes: list[Any] = []
@@ -1715,20 +1714,15 @@ class _TraceSession:
         return None
 
     def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        """Log a call with slots whose norms are queued now (lists: a flush tells them from tuples of tensors).
-        An AccumulateGrad's are kept per call too (:attr:`received`): its ``.grad`` may be this very tensor,
-        accumulated into later, whose norm :meth:`record_param_grads` then reuses."""
+        """Log a call with slots whose norms are queued now (lists: a flush tells them from tuples of tensors)."""
         if self._torch.is_grad_enabled():  # backward(create_graph=True): statistics stay out of the graph
             with self._torch.no_grad():
                 self._log_now(node_id, grad_inputs, grad_outputs)
             return
         slot_now = self._slot_now
         with self._lock:
-            received = list(map(slot_now, grad_outputs))
-            self.log.extend((node_id, list(map(slot_now, grad_inputs)), received))
+            self.log.extend((node_id, list(map(slot_now, grad_inputs)), list(map(slot_now, grad_outputs))))
             self._logged_now = True
-            if type(self.nodes[node_id]) is self._leaf_type:
-                self.received.setdefault(node_id, []).append(received)
 
     def _outside_graph(self) -> contextlib.AbstractContextManager:
         """``no_grad()`` where grad mode is on (backward(create_graph=True) runs hooks in it, and flush() runs
@@ -1897,32 +1891,42 @@ class _TraceSession:
         """Queue each parameter's ``.grad`` as backward left it (under DDP: averaged across ranks).
 
         Where nothing can have changed it since, ``.grad`` holds what the parameter's AccumulateGrad
-        received (a copy, when that was a transposed view): its statistics are reused rather than
-        read again. Something can have changed it when ranks average gradients, when AccumulateGrad
-        ran more than once, or when the parameter has post-accumulate-grad hooks (those it had before the
-        trace are held while it runs; one registered in forward is not).
+        received (that very tensor, or a copy: of a transposed view, or of a small gradient that waited
+        for its norm): its statistics are reused rather than read again. Something can have changed it
+        when ranks average gradients, when AccumulateGrad ran more than once, or when the parameter has
+        post-accumulate-grad hooks (those it had before the trace are held while it runs; one registered
+        in forward is not).
         """
         dist = self._torch.distributed
         averaged = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         once: dict[int, int] = {}  # id(parameter) -> slot of the gradient its AccumulateGrad received
-        if not averaged:
-            for node_id in self.leaf_ids:
-                calls = self.received.get(node_id, ())
+        if not averaged and self.leaf_ids:
+            for node_id, calls in self._received_by_leaves().items():
                 variable = self.nodes[node_id].variable
                 if len(calls) == 1 and len(calls[0]) == 1 and not getattr(variable, "_post_accumulate_grad_hooks", None):
                     once[id(variable)] = calls[0][0]
         small: list[tuple[int, Any]] = []  # (position in param_grads, gradient) of small ones: normed in one batch
+        waited = not self.replay  # a small gradient waits for its norm in the hook, unless --replay takes every norm at once
         with self._torch.no_grad():
             for leaf in self.leaves.values():
                 grad = leaf.tensor.grad
                 if grad is None:
                     continue
                 slot = once.get(id(leaf.tensor), -1)
-                # a copy AccumulateGrad made (version 0) that nothing changed in place since (a hook of the user's
-                # on the AccumulateGrad node may have: then it is read again)
-                if slot >= 0 and grad._version == 0 and self.stats.shapes[slot] == grad.shape and self.stats.dtypes[slot] == grad.dtype:
-                    self.param_grads.append((leaf.name, self.stats.alias(grad, slot)))
-                elif type(grad) is self._plain and grad.numel() <= SMALL_NUMEL:  # a copy of what waited (see discover)
+                is_small = type(grad) is self._plain and grad.numel() <= SMALL_NUMEL
+                # what AccumulateGrad received, unchanged since: the tensor itself (its version then, 0 here), or a
+                # copy that nothing changed in place (a hook of the user's on the AccumulateGrad node may have: then
+                # it is read again). A small gradient that waited for its norm was held meanwhile, so AccumulateGrad
+                # copied it: into a tensor of the parameter's strides (version 1 after the copy; a contiguous
+                # parameter's are certain to qualify), or by clone() (version 0)
+                if (
+                    slot >= 0
+                    and (grad._version == 0 or grad._version == 1 and waited and is_small and leaf.tensor.is_contiguous())
+                    and self.stats.shapes[slot] == grad.shape
+                    and self.stats.dtypes[slot] == grad.dtype
+                ):
+                    self.param_grads.append((leaf.name, slot))  # its statistics: those of the same elements
+                elif is_small:  # a copy of what waited (see discover)
                     small.append((len(self.param_grads), grad))
                     self.param_grads.append((leaf.name, NO_VALUE))
                 else:  # often the very tensor AccumulateGrad received
@@ -1938,6 +1942,20 @@ class _TraceSession:
                 grad = leaf.tensor.grad
                 if grad is not None and leaf.name not in named:
                     self.param_grads.append((leaf.name, self._slot_now(grad)))
+
+    def _received_by_leaves(self) -> dict[int, list[list[int]]]:
+        """Each AccumulateGrad node that ran -> the slots of the gradients it received, per call. Every call is
+        flushed first; only C-level passes run per call, Python per leaf call."""
+        self.flush()
+        chain = itertools.chain.from_iterable
+        counts = list(chain(block[1] for block in self.slotted))
+        slots = list(chain(block[3] for block in self.slotted))
+        starts = list(itertools.accumulate(counts, initial=0))
+        run_by = self.log  # node ids, once flushed
+        received: dict[int, list[list[int]]] = {}
+        for order in itertools.compress(range(len(run_by)), map(set(self.leaf_ids).__contains__, run_by)):
+            received.setdefault(run_by[order], []).append(slots[starts[order] : starts[order + 1]])
+        return received
 
     def finish(self, meta: Meta, loss: Any) -> Trace:
         """Read the statistics (and the loss value) back in one transfer and build the frozen Trace.
