@@ -54,11 +54,15 @@ class ResidualMLP(nn.Module):
 def build_model():
     model = ResidualMLP()
     if dist.is_available() and dist.is_initialized():
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # the device the ranks run on: NCCL's GPUs (--device cuda), else the CPU, with gloo (left to itself, FSDP2
+        # would move the model to a GPU wherever there is one, away from the inputs)
+        mesh = init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (dist.get_world_size(),))
         for block in model.blocks:
-            fully_shard(block)  # one unit per block: its parameters are gathered when it runs
-        fully_shard(model)  # the root unit: the head's parameters
+            fully_shard(block, mesh=mesh)  # one unit per block: its parameters are gathered when it runs
+        fully_shard(model, mesh=mesh)  # the root unit: the head's parameters
     return model
 
 

@@ -1095,8 +1095,10 @@ class _Replicating(nn.Module):
 
 def test_a_data_parallel_replica_runs_its_own_forward_during_a_trace():
     torch.manual_seed(0)
-    model = nn.DataParallel(_Replicating())  # without GPUs, it calls its module
-    x = torch.randn(2, 3)
+    # without GPUs, DataParallel calls its module; with one, it wants the module there and calls it too
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = nn.DataParallel(_Replicating().to(device))
+    x = torch.randn(2, 3, device=device)
     result = trace(model, (x,))
     with torch.no_grad():
         expected = float((model.module.inner.fc(x) * 3.0).sum())

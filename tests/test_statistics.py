@@ -214,11 +214,54 @@ class _Vanishing(torch.nn.Module):
 
 
 # batched: a stack small enough to be normed in float64; a larger stack (float32 norms, their range checked); at once
-@pytest.mark.parametrize("size", [8, 1 << 14, 1 << 16], ids=["batched", "batched-large", "at-once"])
+# on the CPU (on a device, these wait too: one multi-tensor norm per dtype); at once on a device too, too large to
+# wait, by the kernel that squares in float64 without a float64 copy (as those of 4M elements are)
+SIZES = [8, 1 << 14, 1 << 16, "wide"]
+SIZE_IDS = ["batched", "batched-large", "at-once", "at-once-wide"]
+
+
+def _size(size, monkeypatch):
+    """``(size, calls)``: the size of a test's gradients; for "wide", 64k elements taken for more than may wait
+    (PENDING_NUMEL) and as many as WIDE_ON_DEVICE_NUMEL (where a device's norm is taken at once by
+    torch._foreach_norm) and a list of that function's calls, else None."""
+    if size != "wide":
+        return size, None
+    calls = []
+    monkeypatch.setattr(tracing, "PENDING_NUMEL", 1 << 15)
+    monkeypatch.setattr(tracing, "WIDE_ON_DEVICE_NUMEL", 1 << 16)
+    foreach_norm = torch._foreach_norm
+
+    def counted(*args, **kwargs):
+        norms = foreach_norm(*args, **kwargs)
+        calls.append(1)  # (once it has given norms)
+        return norms
+
+    monkeypatch.setattr(torch, "_foreach_norm", counted)
+    return 1 << 16, calls
+
+
+def _foreach_norm_takes_dtype():
+    try:
+        torch._foreach_norm([torch.ones(1)], 2, dtype=torch.float64)
+    except TypeError:  # before torch 2.4
+        return False
+    return True
+
+
+def _check_wide(calls, device, dtype):
+    """The multi-tensor kernel normed the large gradients where it should: on a device (nothing read at once),
+    for float32 and bf16 ones, where this torch's _foreach_norm takes a dtype; nowhere else."""
+    if calls is not None:
+        on_device = not tracing._Stats._reads_at_once(None, torch.empty(0, device=device))  # (patched for as-device)
+        assert bool(calls) == (on_device and dtype != torch.float64 and _foreach_norm_takes_dtype())
+
+
+@pytest.mark.parametrize("size", SIZES, ids=SIZE_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiny_gradients_are_not_read_as_zero(size, dtype, device):
+def test_tiny_gradients_are_not_read_as_zero(size, dtype, device, monkeypatch):
     """Vanishing gradients keep their norms (against float64 norms of a plain backward's ``.grad``);
     a gradient that is exactly zero stays 0, and only it is reported as a dead parameter."""
+    size, calls = _size(size, monkeypatch)
     torch.manual_seed(0)
     model = _Vanishing(size, dtype).to(device)
     x = torch.randn(size, dtype=dtype, device=device)
@@ -233,6 +276,7 @@ def test_tiny_gradients_are_not_read_as_zero(size, dtype, device):
 
     zero = [f.param for f in trace_findings(result) if f.kind == "zero"]
     assert zero == ["zero"]
+    _check_wide(calls, device, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -257,17 +301,17 @@ def test_a_large_gradient_whose_squares_underflow_is_normed_again_exactly(monkey
     assert bool(in_float64) == (not rescaled and dtype == torch.float32)
 
 
-# batched: a stack small enough to be normed in float64; a larger stack (float32 norms, their range checked); at once
-@pytest.mark.parametrize("size", [8, 1 << 14, 1 << 16], ids=["batched", "batched-large", "at-once"])
+@pytest.mark.parametrize("size", SIZES, ids=SIZE_IDS)  # (see test_tiny_gradients_are_not_read_as_zero)
 @pytest.mark.parametrize(
     "dtype, scale",
     [(torch.float32, 1e20), (torch.bfloat16, 1e34), (torch.float64, 1e200), (torch.float64, 1e-170)],
     ids=["float32-huge", "bf16-huge", "float64-huge", "float64-tiny"],
 )
-def test_gradients_whose_squares_leave_the_dtype_keep_their_norms(size, dtype, scale, device):
+def test_gradients_whose_squares_leave_the_dtype_keep_their_norms(size, dtype, scale, device, monkeypatch):
     """Finite gradients whose squares overflow (an infinite norm: read as a NaN/inf finding) or underflow (a
     norm of 0: read as a dead parameter) keep their norms, against float64 norms of a plain backward's
     ``.grad`` taken without squares; the joint parameter norm too."""
+    size, calls = _size(size, monkeypatch)
 
 
     class Scaled(torch.nn.Module):
@@ -298,6 +342,7 @@ def test_gradients_whose_squares_leave_the_dtype_keep_their_norms(size, dtype, s
     from tracer_cli.checks import trace_findings
 
     assert sorted({f.kind for f in trace_findings(result)}) == ["zero"]  # "zero" is the zero parameter's
+    _check_wide(calls, device, dtype)
 
 
 def test_tiny_and_infinite_gradients_in_one_batch_keep_their_norms(device):

@@ -212,14 +212,18 @@ def test_loss_without_grad_is_a_model_error():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("forward_stats", [False, True])
-def test_no_host_sync_per_node_on_cuda(monkeypatch, forward_stats, dtype):  # pragma: no cover - runs where a GPU is available
+@pytest.mark.parametrize("wide", [False, True], ids=["", "wide"])
+def test_no_host_sync_per_node_on_cuda(monkeypatch, forward_stats, dtype, wide):  # pragma: no cover - runs where a GPU is available
     """Forward, hooks and backward never synchronise; statistics are read back once, at the end.
 
     The first layer's gradients are large (normed one by one as they arrive), the others small
     (normed in batches); so are its outputs, with forward values (as --json and torchrun record them).
-    float32 and bf16 tensors are normed in float64 there, float64 ones scaled by their largest element."""
+    float32 and bf16 tensors are normed in float64 there (``wide``: the large ones as those of 4M elements
+    are, by torch._foreach_norm), float64 ones scaled by their largest element."""
     from tracer_cli import tracing
 
+    if wide:
+        monkeypatch.setattr(tracing, "WIDE_ON_DEVICE_NUMEL", tracing.SMALL_NUMEL + 1)
     torch.manual_seed(0)
     small = [nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(20)]
     model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64), *small).to("cuda", dtype)

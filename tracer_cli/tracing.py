@@ -957,6 +957,12 @@ OUT_CHUNK = 1024  # norms taken one at a time are written into buffers of this m
 # 12.7 for a float32 norm and its check; float64 is the slower from about 256 rows of 128, and far slower for
 # large rows: 256 of 16k, 7.6 ms against 0.3)
 DIRECT_WIDE_NUMEL = 1 << 15
+# On a device, a contiguous float32, bf16 or fp16 tensor of at least this many elements is normed by a multi-tensor
+# kernel that squares each element in float64 as it reads it (torch's _foreach_norm with a dtype), not by a norm in
+# float64, which makes a float64 copy first: twice the tensor's memory meanwhile (1.6 GB for a GPT-2 step's logits) and
+# three times its memory traffic. Below it the copy costs the GPU less than the multi-tensor kernel's extra launches
+# cost the CPU (on an H200, about 4 us either way at 1M elements)
+WIDE_ON_DEVICE_NUMEL = 1 << 22
 # Rows whose float32 norm overflowed are looked at for an infinity (a norm of rows that hold one is infinite, with
 # no float64 norm to take) above this many elements; below it the six ops of that look cost more than the norm
 # (on the CPU, 8 elements: 32 against 7 us; 64k: 40 against 58)
@@ -995,6 +1001,7 @@ class _Stats:
         self._vector_norm = torch.linalg.vector_norm
         self._wide = {torch.float64, torch.complex64, torch.complex128}  # normed in their own dtype
         self._dot, self._dot_dtypes = torch.dot, {torch.float32, torch.float64}
+        self._foreach_norm = getattr(torch, "_foreach_norm", None)  # None once it refuses a dtype (torch before 2.4)
         self._float64, self._double = torch.float64, {torch.float64, torch.complex128}  # norms in float64
         self._narrow = {torch.float32, torch.bfloat16, torch.float16}  # squares in range in float64
         # result dtype -> (least square, least norm) read as exact
@@ -1196,13 +1203,32 @@ class _Stats:
             values = self._torch.empty(OUT_CHUNK, dtype=key[1], device=key[0])
             buffer = self._buffers[key] = [values, self.value(values), 0]
         values, first, used = buffer
-        norm, squared = self._norm_tensor(tensor, out=values[used])
+        if key[1] is self._float64 and dtype in self._narrow and tensor.numel() >= WIDE_ON_DEVICE_NUMEL and self._wide_in_place(tensor, values[used]):
+            norm, squared = values, False
+        else:
+            norm, squared = self._norm_tensor(tensor, out=values[used])
         if norm is None:
             return NO_VALUE
         buffer[2] = used + 1
         if squared:
             self._squared.append(first + used)
         return first + used
+
+    def _wide_in_place(self, tensor: Any, out: Any) -> bool:
+        """Write a large float32/bf16/fp16 tensor's norm into the float64 ``out`` with its squares summed in float64,
+        without a float64 copy of it (see WIDE_ON_DEVICE_NUMEL); False, with nothing written, for a tensor that is
+        not plain or fills no block of memory (:func:`_flat_block`), or where this torch's ``_foreach_norm`` takes no
+        dtype."""
+        block = _flat_block(tensor) if self._foreach_norm is not None and type(tensor) is self._plain and tensor.layout is self._strided else None
+        if block is None:
+            return False
+        try:
+            norm = self._foreach_norm([block], 2, dtype=out.dtype)[0]
+        except (TypeError, RuntimeError, NotImplementedError):  # no dtype keyword before torch 2.4, or no kernel here
+            self._foreach_norm = None
+            return False
+        out.copy_(norm)
+        return True
 
     def _exact_dtype(self, device: Any) -> Any:
         """The dtype a device's bf16, fp16 and float32 tensors are normed in: float64, which holds their squares,
@@ -1269,6 +1295,12 @@ class _Stats:
         slots[id(None)] = -1
         dtypes = list(map(_DTYPE, distinct))
         self.dtypes += dtypes
+        if count and self._foreach_norm is not None and not self._reads_at_once(distinct[0]):
+            positions = self._device_batch(distinct, base)
+            if positions is not None:
+                self.shapes += map(_SHAPE, distinct)
+                self.positions += positions
+                return slots
         if count > 1 and self._one_stack(distinct, dtypes):
             return slots
         shapes = list(map(_SHAPE, distinct))
@@ -1306,6 +1338,44 @@ class _Stats:
             deque(map(positions.__setitem__, order, in_order), maxlen=0)  # back in slot order
             self.positions += positions
         return slots
+
+    def _device_batch(self, tensors: list[Any], base: int) -> list[int] | None:
+        """The positions of the norms of a batch on a device (``base``: the first tensor's slot): float32, bf16 and
+        fp16 tensors that fill one block of memory (contiguous, or a permutation of a contiguous one) with one
+        multi-tensor norm per device and dtype, each element squared in float64 as it is read (no stack, no
+        float64 copy: WIDE_ON_DEVICE_NUMEL), whatever their shapes; the others one by one (:meth:`_norm`).
+        None, with nothing queued, where this torch's ``_foreach_norm`` takes no dtype (before 2.4)."""
+        plain, strided, narrow, float64 = self._plain, self._strided, self._narrow, self._float64
+        groups: dict[tuple, list[int]] = {}
+        blocks: list[Any] = []  # each tensor's block of memory, read flat (_flat_block); None for the others
+        for tensor in tensors:
+            block = None
+            if type(tensor) is plain and tensor.layout is strided and tensor.dtype in narrow and not self._reads_at_once(tensor):
+                block = _flat_block(tensor)
+                if block is not None and self._exact_dtype(tensor.device) is float64:
+                    groups.setdefault((tensor.device, tensor.dtype), []).append(len(blocks))
+                else:
+                    block = None
+            blocks.append(block)
+        positions = [NO_VALUE] * len(tensors)
+        for members in groups.values():
+            try:
+                norms = self._foreach_norm([blocks[index] for index in members], 2, dtype=float64)
+            except TypeError:  # no dtype keyword before torch 2.4: the batch as on the CPU
+                self._foreach_norm = None
+                return None
+            except (RuntimeError, NotImplementedError):  # no such kernel here: one by one
+                continue
+            first = self.value(self._torch.stack(norms))
+            for offset, index in enumerate(members):
+                positions[index] = first + offset
+                blocks[index] = _MISSING  # normed
+        for index, (tensor, block) in enumerate(zip(tensors, blocks)):
+            if block is not _MISSING:
+                if tensor.layout is not strided:
+                    self._note_layout(base + index, tensor.layout)
+                positions[index] = self._norm(tensor)
+        return positions
 
     def _one_stack(self, tensors: list[Any], dtypes: list[Any]) -> bool:
         """The norms of tensors of one shape and one dtype, all contiguous, with one stack (the usual batch on
@@ -1648,7 +1718,7 @@ class _TraceSession:
         small, most, per_call = SMALL_NUMEL, PENDING_NUMEL, PENDING_NUMEL // PENDING_CALLS
 
         waiting = 0  # elements, since this hook last flushed
-        node_of, current = self.index.get, self._current_node
+        node_of, current, stats = self.index.get, self._current_node, self.stats
 
         def on_run(node_id: int | None, grad_inputs: tuple, grad_outputs: tuple) -> None:
             """Log the call. Small gradients wait (held) for a batched norm; a large one is not kept: the
@@ -1665,7 +1735,9 @@ class _TraceSession:
                 for grad in grad_inputs + grad_outputs:  # a loop: faster than map() and filter() on a few items
                     if grad is not None:
                         numel = grad.numel()
-                        if numel > small:
+                        # normed at once: a large gradient on the CPU, or one that alone fills what may wait; on a
+                        # device, where a norm costs a kernel launch however small it is, one waits for a batch
+                        if numel > small and (numel > most or stats._foreach_norm is None or stats._reads_at_once(grad)):
                             session._log_now(node_id, grad_inputs, grad_outputs)
                             return None
                         size += numel
@@ -1916,12 +1988,16 @@ class _TraceSession:
                 is_small = type(grad) is self._plain and grad.numel() <= SMALL_NUMEL
                 # what AccumulateGrad received, unchanged since: the tensor itself (its version then, 0 here), or a
                 # copy that nothing changed in place (a hook of the user's on the AccumulateGrad node may have: then
-                # it is read again). A small gradient that waited for its norm was held meanwhile, so AccumulateGrad
-                # copied it: into a tensor of the parameter's strides (version 1 after the copy; a contiguous
-                # parameter's are certain to qualify), or by clone() (version 0)
+                # it is read again). A gradient that waited for its norm (a small one; on a device, any that did not
+                # fill PENDING_NUMEL alone) was held meanwhile, so AccumulateGrad copied it: into a tensor of the
+                # parameter's strides (version 1 after the copy; a contiguous parameter's are certain to qualify),
+                # or by clone() (version 0)
+                held = waited and (
+                    is_small or grad.numel() <= PENDING_NUMEL and self.stats._foreach_norm is not None and not self.stats._reads_at_once(grad)
+                )
                 if (
                     slot >= 0
-                    and (grad._version == 0 or grad._version == 1 and waited and is_small and leaf.tensor.is_contiguous())
+                    and (grad._version == 0 or grad._version == 1 and held and leaf.tensor.is_contiguous())
                     and self.stats.shapes[slot] == grad.shape
                     and self.stats.dtypes[slot] == grad.dtype
                 ):
@@ -2307,6 +2383,16 @@ def _fills_block(runs: tuple[tuple[int, int], ...], repeat: int) -> bool:
     gradient with attention heads moved). Such a tensor has the norm of that block read flat, and shares it
     with every other tensor over the block (the contiguous gradient it is a view of)."""
     return repeat == 1 and (not runs or (len(runs) == 1 and runs[0][0] == 1))
+
+
+def _flat_block(tensor: Any) -> Any:
+    """A plain strided tensor's elements as a 1-d contiguous view of the block of memory they fill (contiguous, or a
+    permutation of a contiguous tensor: :func:`_fills_block`), with the same norm; None where they fill none."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    if _fills_block(*_element_runs(tensor)):
+        return tensor.as_strided((tensor.numel(),), (1,))  # from its data_ptr(), the block's first element
+    return None
 
 
 def _storage_freed(tensor: Any) -> bool:
