@@ -968,6 +968,10 @@ WIDE_ON_DEVICE_NUMEL = 1 << 22
 # (on the CPU, 8 elements: 32 against 7 us; 64k: 40 against 58)
 INF_CHECK_NUMEL = 1 << 16
 NO_VALUE = -1  # the position of a norm that could not be taken
+# Where at least one call in this many is an AccumulateGrad's, a parameter's .grad finds what its AccumulateGrad
+# received in a pass over every call (0.1 us a call), rather than having a small one normed again (about 2 us; a
+# chain of 6,000 tiny ops with one parameter is better without the pass, 1,000 Linear layers with it)
+LEAF_SHARE = 16
 # A float32 sum of squares below TINY_SQUARE (a norm below TINY_NORM) may have lost elements whose squares
 # underflow (below about 1e-19 each); above it, what is lost is within float32 rounding. The same for
 # float64 (elements below about 1e-154) below TINY_SQUARE_64 and TINY_NORM_64. An infinite norm of finite
@@ -1530,6 +1534,7 @@ class _TraceSession:
         # very object the next node receives, so its norm is taken once
         self._seen: dict[int, tuple[Any, int, int]] = {}
         self._blocks: dict[tuple, tuple[Any, int, int]] = {}  # the same, per set of elements in memory (_elements_key)
+        self.received: dict[int, list[list[int]]] = {}  # AccumulateGrad node -> grad_outputs slots, per call logged at once
         self.errors: list[str] = []
         self.running_custom: list[int] = []
         self.modes: list[Any] = []
@@ -1786,15 +1791,20 @@ class _TraceSession:
         return None
 
     def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        """Log a call with slots whose norms are queued now (lists: a flush tells them from tuples of tensors)."""
+        """Log a call with slots whose norms are queued now (lists: a flush tells them from tuples of tensors).
+        An AccumulateGrad's are kept per call too (:attr:`received`): its ``.grad`` may be this very tensor,
+        whose norm :meth:`record_param_grads` then reuses."""
         if self._torch.is_grad_enabled():  # backward(create_graph=True): statistics stay out of the graph
             with self._torch.no_grad():
                 self._log_now(node_id, grad_inputs, grad_outputs)
             return
         slot_now = self._slot_now
         with self._lock:
-            self.log.extend((node_id, list(map(slot_now, grad_inputs)), list(map(slot_now, grad_outputs))))
+            received = list(map(slot_now, grad_outputs))
+            self.log.extend((node_id, list(map(slot_now, grad_inputs)), received))
             self._logged_now = True
+            if not grad_inputs and type(self.nodes[node_id]) is self._leaf_type:
+                self.received.setdefault(node_id, []).append(received)
 
     def _outside_graph(self) -> contextlib.AbstractContextManager:
         """``no_grad()`` where grad mode is on (backward(create_graph=True) runs hooks in it, and flush() runs
@@ -1972,8 +1982,11 @@ class _TraceSession:
         dist = self._torch.distributed
         averaged = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         once: dict[int, int] = {}  # id(parameter) -> slot of the gradient its AccumulateGrad received
-        if not averaged and self.leaf_ids:
-            for node_id, calls in self._received_by_leaves().items():
+        if not averaged:
+            # what each leaf received: from the calls logged at once, or, where leaves are many among the calls
+            # (a pass over every call costs less than norming their gradients again), from every call
+            many = len(self.leaf_ids) * LEAF_SHARE >= len(self.log)
+            for node_id, calls in (self._received_by_leaves() if many else self.received).items():
                 variable = self.nodes[node_id].variable
                 if len(calls) == 1 and len(calls[0]) == 1 and not getattr(variable, "_post_accumulate_grad_hooks", None):
                     once[id(variable)] = calls[0][0]
