@@ -375,7 +375,7 @@ class _ModuleTracker:
         self.compiled = bool(compiled)
         hooked = []
         for name, module in self._modules:
-            if any(_is_descendant(name, prefix) for prefix in compiled):
+            if compiled and any(_is_descendant(name, prefix) for prefix in compiled):
                 continue
             if isinstance(module, torch.jit.ScriptModule):
                 self.scripted_root = self.scripted_root or name == ""
