@@ -390,6 +390,30 @@ def test_large_gradients_are_not_kept_until_the_end():
     assert all(n.order is not None for n in result.nodes)
 
 
+def test_a_large_gradient_a_hook_changes_in_place_is_not_read_as_what_was_sent(device):
+    """A tensor hook that changes a gradient in place (PyTorch asks hooks to return a new one instead): the next
+    node received the changed gradient; the node before sent the unchanged one, whose norm is read at once on
+    the CPU and, on a device, where the gradient waited for a batched norm, is left unknown, never read as the
+    changed one."""
+    torch.manual_seed(0)
+    x = torch.randn(1 << 16, device=device)
+
+    def model(x):
+        h = x * 3.0
+        h.register_hook(lambda grad: grad.mul_(2.0))
+        return h.sin().sum()
+
+    result = trace(model, (x,))
+    sent = result.find("SinBackward0")[0].grad_inputs[0]
+    received = result.find("MulBackward0")[0].grad_outputs[0]
+    expected = float((x.double() * 3.0).cos().norm())  # what SinBackward0 sent: cos(3x), before the hook
+    assert received.norm == pytest.approx(2.0 * expected, rel=1e-5)
+    if tracing._Stats._reads_at_once(None, x):  # (patched for as-device)
+        assert sent.norm == pytest.approx(expected, rel=1e-5)
+    else:
+        assert sent.norm is None and sent.shape == (1 << 16,)
+
+
 def test_non_finite_values_survive_batching(device):
     def model(x):
         y = x * torch.tensor([1.0, 0.0, 2.0, 3.0], device=x.device)

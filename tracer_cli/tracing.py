@@ -1277,6 +1277,12 @@ class _Stats:
         self.positions.append(self._norm(tensor))
         return slot
 
+    def unknown(self, tensor: Any) -> int:
+        """A new slot for ``tensor`` whose norm is not known (its elements have changed since)."""
+        slot = self._new_slot(tensor)
+        self.positions.append(NO_VALUE)
+        return slot
+
     def alias(self, tensor: Any, slot: int) -> int:
         """A new slot for ``tensor``, whose norm is that of ``slot`` (the same elements)."""
         new = self._new_slot(tensor)
@@ -1526,6 +1532,9 @@ class _TraceSession:
         # of all it received
         self.slotted: list[tuple[list[int], list[int], list[int], list[int]]] = []
         self._logged_now = False  # whether _log_now logged a call since the last flush
+        # large gradients waiting on a device: id -> (tensor, its version when first logged), so that one a hook of the
+        # user's changed in place before the flush is not read as what was sent (see flush)
+        self._held_large: dict[int, tuple[Any, int]] = {}
         # norms queued one at a time, and flushes: hooks may run in two devices' threads (reentrant, so a hook
         # can never wait on a flush of its own thread)
         self._lock = threading.RLock()
@@ -1723,7 +1732,7 @@ class _TraceSession:
         small, most, per_call = SMALL_NUMEL, PENDING_NUMEL, PENDING_NUMEL // PENDING_CALLS
 
         waiting = 0  # elements, since this hook last flushed
-        node_of, current, stats = self.index.get, self._current_node, self.stats
+        node_of, current, stats, held = self.index.get, self._current_node, self.stats, self._held_large.setdefault
 
         def on_run(node_id: int | None, grad_inputs: tuple, grad_outputs: tuple) -> None:
             """Log the call. Small gradients wait (held) for a batched norm; a large one is not kept: the
@@ -1742,9 +1751,11 @@ class _TraceSession:
                         numel = grad.numel()
                         # normed at once: a large gradient on the CPU, or one that alone fills what may wait; on a
                         # device, where a norm costs a kernel launch however small it is, one waits for a batch
-                        if numel > small and (numel > most or stats._foreach_norm is None or stats._reads_at_once(grad)):
-                            session._log_now(node_id, grad_inputs, grad_outputs)
-                            return None
+                        if numel > small:
+                            if numel > most or stats._foreach_norm is None or stats._reads_at_once(grad):
+                                session._log_now(node_id, grad_inputs, grad_outputs)
+                                return None
+                            held(id(grad), (grad, grad._version))  # its version when first logged (see flush)
                         size += numel
                 log((node_id, grad_inputs, grad_outputs))  # one C call: a flush never sees part of it
                 waiting += size
@@ -1867,6 +1878,7 @@ class _TraceSession:
             if start == end:
                 return
             logged = self.log[start:end]
+            held, self._held_large = self._held_large, {}
             chain = itertools.chain.from_iterable
             sent, received = logged[1::3], logged[2::3]
             grads = list(chain(sent))
@@ -1883,6 +1895,13 @@ class _TraceSession:
             self._logged_now = False
             # a slot already in place stays: it is alive, as are the tensors, so its id is none of theirs
             in_place = list(map(slots.get, ids, grads))
+            if held:
+                # a large gradient changed in place since it was first logged (a tensor hook of the user's that changes
+                # the gradient the next node receives): normed now, it is what that node received, not what was sent,
+                # which is left unknown (small gradients: the README says so)
+                changed = {key for key, (tensor, version) in held.items() if tensor._version != version}
+                for index in itertools.compress(range(count_sent), map(changed.__contains__, ids)) if changed else ():
+                    in_place[index] = self.stats.unknown(grads[index])
             self.slotted.append((list(map(len, sent)), list(map(len, received)), in_place[:count_sent], in_place[count_sent:]))
             self.log[start:end] = logged[0::3]
             self.flushed = start + len(sent)
