@@ -957,11 +957,12 @@ OUT_CHUNK = 1024  # norms taken one at a time are written into buffers of this m
 # 12.7 for a float32 norm and its check; float64 is the slower from about 256 rows of 128, and far slower for
 # large rows: 256 of 16k, 7.6 ms against 0.3)
 DIRECT_WIDE_NUMEL = 1 << 15
-# On a device, a contiguous float32, bf16 or fp16 tensor of at least this many elements is normed by a multi-tensor
-# kernel that squares each element in float64 as it reads it (torch's _foreach_norm with a dtype), not by a norm in
-# float64, which makes a float64 copy first: twice the tensor's memory meanwhile (1.6 GB for a GPT-2 step's logits) and
-# three times its memory traffic. Below it the copy costs the GPU less than the multi-tensor kernel's extra launches
-# cost the CPU (on an H200, about 4 us either way at 1M elements)
+# On a device, a float32, bf16 or fp16 tensor normed alone that fills one block of memory (_flat_block) and has at
+# least this many elements is normed by a multi-tensor kernel that squares each element in float64 as it reads it
+# (torch's _foreach_norm with a dtype), not by a norm in float64, which makes a float64 copy first: twice the
+# tensor's memory meanwhile (1.6 GB for a GPT-2 step's logits) and three times its memory traffic. Below it the copy
+# costs the GPU less than the multi-tensor kernel's extra launches cost the CPU (on an H200, about 4 us either way at
+# 1M elements). (Gradients that wait for a batch on a device are normed so whatever their size: _device_batch)
 WIDE_ON_DEVICE_NUMEL = 1 << 22
 # Rows whose float32 norm overflowed are looked at for an infinity (a norm of rows that hold one is infinite, with
 # no float64 norm to take) above this many elements; below it the six ops of that look cost more than the norm
@@ -1228,8 +1229,10 @@ class _Stats:
             return False
         try:
             norm = self._foreach_norm([block], 2, dtype=out.dtype)[0]
-        except (TypeError, RuntimeError, NotImplementedError):  # no dtype keyword before torch 2.4, or no kernel here
+        except TypeError:  # no dtype keyword before torch 2.4
             self._foreach_norm = None
+            return False
+        except (RuntimeError, NotImplementedError):  # no such kernel here
             return False
         out.copy_(norm)
         return True
@@ -1289,9 +1292,11 @@ class _Stats:
         self.positions.append(self.positions[slot])
         return new
 
-    def batch(self, tensors: list[Any], ids: list[int] | None = None) -> dict[int, int]:
+    def batch(self, tensors: list[Any], ids: list[int] | None = None, wide: bool = False) -> dict[int, int]:
         """A slot for each distinct tensor (by object; ``ids``, if given, are their ids), norms taken one op
-        per shape and dtype.
+        per shape and dtype; ``wide``: some are large, on a device, where they are normed by one op per dtype
+        whatever their shapes (:meth:`_device_batch`), which costs more Python per tensor than the stacks of
+        small ones.
 
         Returns ``id(tensor) -> slot``, with ``id(None) -> -1``. The tensors must stay alive meanwhile, so
         ids are unique. Per tensor, only C-level iteration runs (maps, a sort); Python runs per group.
@@ -1305,7 +1310,7 @@ class _Stats:
         slots[id(None)] = -1
         dtypes = list(map(_DTYPE, distinct))
         self.dtypes += dtypes
-        if count and self._foreach_norm is not None and not self._reads_at_once(distinct[0]):
+        if wide and count and self._foreach_norm is not None and not self._reads_at_once(distinct[0]):
             positions = self._device_batch(distinct, base)
             if positions is not None:
                 self.shapes += map(_SHAPE, distinct)
@@ -1878,7 +1883,8 @@ class _TraceSession:
             if start == end:
                 return
             logged = self.log[start:end]
-            held, self._held_large = self._held_large, {}
+            held = self._held_large.copy()  # (the dict itself stays: the hook holds its setdefault)
+            self._held_large.clear()
             chain = itertools.chain.from_iterable
             sent, received = logged[1::3], logged[2::3]
             grads = list(chain(sent))
@@ -1889,9 +1895,9 @@ class _TraceSession:
                 if self._logged_now:  # some calls' slots are in place already (lists, from _log_now): only tuples wait
                     groups = sent + received
                     waiting = itertools.compress(groups, map(operator.is_, map(type, groups), itertools.repeat(tuple)))
-                    slots = self.stats.batch(list(chain(waiting)))
+                    slots = self.stats.batch(list(chain(waiting)), wide=bool(held))
                 else:
-                    slots = self.stats.batch(grads, ids)
+                    slots = self.stats.batch(grads, ids, wide=bool(held))
             self._logged_now = False
             # a slot already in place stays: it is alive, as are the tensors, so its id is none of theirs
             in_place = list(map(slots.get, ids, grads))
