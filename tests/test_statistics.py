@@ -422,6 +422,22 @@ def test_a_large_gradient_a_hook_changes_in_place_is_not_read_as_what_was_sent(d
         assert sent.norm is None and sent.shape == (1 << 16,)
 
 
+def test_empty_gradients_have_norm_zero(device):
+    """Empty gradients of every dtype (a model may make empty tensors: Hugging Face's caches concatenate them),
+    small and taken at once, have norm 0 on every path: a device's float64 norm scales by a largest element
+    that an empty tensor does not have."""
+    wide = torch.randn(0, 1 << 15, device=device)  # empty, but its shape is past SMALL_NUMEL: normed at once
+
+    def model(x):
+        return (x * 2.0).sum() + (x.double() * 3.0).sum() + (x.to(torch.bfloat16) * 4.0).float().sum() + (wide * x.sum()).sum()
+
+    result = trace(model, (torch.randn(0, device=device),))
+    stats = [g for node in result.nodes for g in (*(node.grad_inputs or ()), *(node.grad_outputs or ())) if g is not None]
+    empty = [g for g in stats if g.numel == 0]
+    assert {g.dtype for g in empty} == {"float32", "float64", "bfloat16"}
+    assert all(g.norm == 0.0 for g in empty)
+
+
 def test_non_finite_values_survive_batching(device):
     def model(x):
         y = x * torch.tensor([1.0, 0.0, 2.0, 3.0], device=x.device)

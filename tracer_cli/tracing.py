@@ -1147,6 +1147,8 @@ class _Stats:
                 if bool(((rows.amax(dim=-1) == math.inf) | (rows.amin(dim=-1) == -math.inf)).all()):
                     return torch.full(rows.shape[:-1], math.inf, dtype=self._float64, device=rows.device)
             return self._vector_norm(rows, dim=-1, dtype=self._float64)
+        if rows.shape[-1] == 0:  # empty rows (no largest element to scale by): their norms are 0
+            return torch.zeros(rows.shape[:-1], dtype=self._float64, device=rows.device)
         largest = self._vector_norm(rows, ord=math.inf, dim=-1, keepdim=True)  # exact in any dtype
         if self._reads_at_once(rows) and not largest.any():  # all zeros (a dead branch): no scaled copy to make
             return largest.to(self._float64).reshape(rows.shape[:-1])
