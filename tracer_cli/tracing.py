@@ -1006,7 +1006,7 @@ class _Stats:
         self._vector_norm = torch.linalg.vector_norm
         self._wide = {torch.float64, torch.complex64, torch.complex128}  # normed in their own dtype
         self._dot, self._dot_dtypes = torch.dot, {torch.float32, torch.float64}
-        self._foreach_norm = getattr(torch, "_foreach_norm", None)  # None once it refuses a dtype (torch before 2.4)
+        self._foreach_norm = torch._foreach_norm if _foreach_norm_takes_dtype() else None  # (torch 2.4 and later)
         self._float64, self._double = torch.float64, {torch.float64, torch.complex128}  # norms in float64
         self._narrow = {torch.float32, torch.bfloat16, torch.float16}  # squares in range in float64
         # result dtype -> (least square, least norm) read as exact
@@ -2423,6 +2423,18 @@ def _fills_block(runs: tuple[tuple[int, int], ...], repeat: int) -> bool:
     gradient with attention heads moved). Such a tensor has the norm of that block read flat, and shares it
     with every other tensor over the block (the contiguous gradient it is a view of)."""
     return repeat == 1 and (not runs or (len(runs) == 1 and runs[0][0] == 1))
+
+
+@functools.cache
+def _foreach_norm_takes_dtype() -> bool:
+    """Whether this torch's ``_foreach_norm`` takes a ``dtype`` (2.4 and later): asked once, of a one-element CPU tensor."""
+    import torch
+
+    try:
+        torch._foreach_norm([torch.zeros(1)], 2, dtype=torch.float64)
+    except (AttributeError, TypeError, RuntimeError):
+        return False
+    return True
 
 
 def _flat_block(tensor: Any) -> Any:
