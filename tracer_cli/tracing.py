@@ -1224,16 +1224,13 @@ class _Stats:
     def _wide_in_place(self, tensor: Any, out: Any) -> bool:
         """Write a large float32/bf16/fp16 tensor's norm into the float64 ``out`` with its squares summed in float64,
         without a float64 copy of it (see WIDE_ON_DEVICE_NUMEL); False, with nothing written, for a tensor that is
-        not plain or fills no block of memory (:func:`_flat_block`), or where this torch's ``_foreach_norm`` takes no
-        dtype."""
+        not plain or fills no block of memory (:func:`_flat_block`), where this torch's ``_foreach_norm`` takes no
+        dtype, or where the device has no kernel for it."""
         block = _flat_block(tensor) if self._foreach_norm is not None and type(tensor) is self._plain and tensor.layout is self._strided else None
         if block is None:
             return False
         try:
             norm = self._foreach_norm([block], 2, dtype=out.dtype)[0]
-        except TypeError:  # no dtype keyword before torch 2.4
-            self._foreach_norm = None
-            return False
         except (RuntimeError, NotImplementedError):  # no such kernel here
             return False
         out.copy_(norm)
@@ -1313,11 +1310,9 @@ class _Stats:
         dtypes = list(map(_DTYPE, distinct))
         self.dtypes += dtypes
         if wide and count and self._foreach_norm is not None and not self._reads_at_once(distinct[0]):
-            positions = self._device_batch(distinct, base)
-            if positions is not None:
-                self.shapes += map(_SHAPE, distinct)
-                self.positions += positions
-                return slots
+            self.positions += self._device_batch(distinct, base)
+            self.shapes += map(_SHAPE, distinct)
+            return slots
         if count > 1 and self._one_stack(distinct, dtypes):
             return slots
         shapes = list(map(_SHAPE, distinct))
@@ -1356,12 +1351,12 @@ class _Stats:
             self.positions += positions
         return slots
 
-    def _device_batch(self, tensors: list[Any], base: int) -> list[int] | None:
+    def _device_batch(self, tensors: list[Any], base: int) -> list[int]:
         """The positions of the norms of a batch on a device (``base``: the first tensor's slot): float32, bf16 and
         fp16 tensors that fill one block of memory (contiguous, or a permutation of a contiguous one) with one
         multi-tensor norm per device and dtype, each element squared in float64 as it is read (no stack, no
-        float64 copy: WIDE_ON_DEVICE_NUMEL), whatever their shapes; the others one by one (:meth:`_norm`).
-        None, with nothing queued, where this torch's ``_foreach_norm`` takes no dtype (before 2.4)."""
+        float64 copy: WIDE_ON_DEVICE_NUMEL), whatever their shapes; the others one by one (:meth:`_norm`). Only
+        where this torch's ``_foreach_norm`` takes a dtype (2.4 and later)."""
         plain, strided, narrow, float64 = self._plain, self._strided, self._narrow, self._float64
         groups: dict[tuple, list[int]] = {}
         blocks: list[Any] = []  # each tensor's block of memory, read flat (_flat_block); None for the others
@@ -1378,9 +1373,6 @@ class _Stats:
         for members in groups.values():
             try:
                 norms = self._foreach_norm([blocks[index] for index in members], 2, dtype=float64)
-            except TypeError:  # no dtype keyword before torch 2.4: the batch as on the CPU
-                self._foreach_norm = None
-                return None
             except (RuntimeError, NotImplementedError):  # no such kernel here: one by one
                 continue
             first = self.value(self._torch.stack(norms))
