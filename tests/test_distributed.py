@@ -88,6 +88,7 @@ class Job:
     wall_s: float
     json_path: Path
     leftovers: list[str]
+    temporary: list[str]  # what the job left in its own temporary directory (TMPDIR)
 
     def __repr__(self) -> str:  # shown in assertion messages
         return (
@@ -138,6 +139,9 @@ def _session_processes(sid: int) -> list[str]:
 def run_job(command: list[str], json_path: Path, timeout: float = JOB_TIMEOUT_S) -> Job:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
     env["NO_COLOR"] = "1"
+    temporary = json_path.with_name(json_path.stem + "-tmp")
+    temporary.mkdir()
+    env["TMPDIR"] = str(temporary)
     start = time.monotonic()
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -161,7 +165,8 @@ def run_job(command: list[str], json_path: Path, timeout: float = JOB_TIMEOUT_S)
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return Job(command, process.returncode, stdout, stderr, wall, json_path, leftovers)
+    left = sorted(path.name for path in temporary.iterdir())
+    return Job(command, process.returncode, stdout, stderr, wall, json_path, leftovers, left)
 
 
 # The jobs: name -> (command builder taking the JSON path, timeout). Each runs at most once.
@@ -310,6 +315,10 @@ def divergence_marks(job: Job) -> list[str]:
 
 def assert_no_leftovers(job: Job) -> None:
     assert not job.leftovers, f"processes of the job still running after it ended: {job.leftovers}\n{job}"
+    if job.command[0] == GRADTRACE:  # torchrun itself leaves its agent's log folder (torchelastic_*)
+        # torch's compile cache folder (torchinductor_<user>) is shared by every run, made once
+        left = [name for name in job.temporary if not name.startswith("torchinductor_")]
+        assert not left, f"the launcher left {left} in the temporary directory\n{job}"
 
 
 def assert_healthy(job: Job) -> dict[str, Any]:

@@ -5,9 +5,11 @@ torch.distributed is imported inside functions only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -214,6 +216,15 @@ def launch(nproc_per_node: int, argv: Sequence[str]) -> int:
 
     if nproc_per_node < 1:
         raise UsageError("--nproc-per-node must be at least 1")
+    # the agent keeps its workers' error files under a log folder, by default a new torchelastic_*
+    # in the temporary directory that nothing removes: one of our own, removed when the job ends
+    log_folder = tempfile.TemporaryDirectory(prefix="gradtrace-launch-")
+    if "logs_specs" in {field.name for field in dataclasses.fields(LaunchConfig)}:  # torch >= 2.3
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+        logs = {"logs_specs": DefaultLogsSpecs(log_dir=log_folder.name)}
+    else:
+        logs = {"log_dir": log_folder.name}
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -224,6 +235,7 @@ def launch(nproc_per_node: int, argv: Sequence[str]) -> int:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        **logs,
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks share the cores
     # the elastic agent logs "failed (exitcode: N) local_rank: ..." for any non-zero exit, the verdict's
@@ -247,4 +259,5 @@ def launch(nproc_per_node: int, argv: Sequence[str]) -> int:
         return ExitCode.INTERRUPTED
     finally:
         agent_log.setLevel(agent_level)
+        log_folder.cleanup()
     return ExitCode.OK
