@@ -218,7 +218,7 @@ def launch(nproc_per_node: int, argv: Sequence[str]) -> int:
         raise UsageError("--nproc-per-node must be at least 1")
     # the agent keeps its workers' error files under a log folder, by default a new torchelastic_*
     # in the temporary directory that nothing removes: one of our own, removed when the job ends
-    log_folder = tempfile.TemporaryDirectory(prefix="gradtrace-launch-")
+    log_folder = tempfile.TemporaryDirectory(prefix="gradtrace-launch-", ignore_cleanup_errors=True)
     if "logs_specs" in {field.name for field in dataclasses.fields(LaunchConfig)}:  # torch >= 2.3
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
