@@ -368,6 +368,9 @@ def test_diff_names_the_changed_layer(two_runs, tmp_path):
     assert "2.weight" in result.stdout.splitlines()[0]
     differing = [n for n in document["nodes"] if any(n[k] not in (None, 0.0) for k in ("forward", "grad_inputs", "grad_outputs"))]
     assert len(differing) > 1  # downstream nodes differ too; the origin is still the layer
+    from tracer_cli.compare import DEFAULT_ATOL
+
+    assert (document["rtol"], document["atol"]) == (1e-5, DEFAULT_ATOL)  # the tolerances, as a merged torchrun file has them
 
 
 def test_diff_lines_are_not_folded_when_stdout_is_not_a_terminal(tmp_path, monkeypatch):

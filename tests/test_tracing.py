@@ -925,6 +925,87 @@ def test_two_threads_tracing_at_once_see_each_nodes_own_gradients():
     assert wrong == []
 
 
+class _Waiting(nn.Module):
+    """A model whose forward, while ``waiting`` holds an event, says it is inside and waits for the event."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.inside = None
+        self.waiting = None
+
+    def forward(self, x):
+        if self.waiting is not None:
+            self.inside.set()
+            assert self.waiting.wait(timeout=30)
+        return self.fc(x).pow(2).sum()
+
+
+def test_a_model_another_thread_is_tracing_is_refused_and_that_trace_is_left_whole():
+    """Two traces of one model at once would share its parameters' .grad (each setting, reading and restoring
+    it): the second is refused, as a usage error, before it changes anything; the first is as if alone."""
+    import threading
+
+    from tracer_cli.errors import UsageError
+
+    torch.manual_seed(0)
+    model, x = _Waiting(), torch.randn(2, 4)
+    want = {name: grad for name, grad in plain_grads(model, (x,)).items() if not name.startswith("input:")}
+    model.inside, model.waiting = threading.Event(), threading.Event()
+    results: list = []
+    first = threading.Thread(target=lambda: results.append(trace(model, (x,))))
+    first.start()
+    try:
+        assert model.inside.wait(timeout=30)
+        with pytest.raises(UsageError, match="another thread is tracing this model") as refused:
+            trace(model, (x,))
+        assert "copy" in refused.value.hint
+    finally:
+        model.waiting.set()
+        first.join()
+    (result,) = results
+    for name, grad in want.items():
+        assert result.leaf(name).grad_norm == pytest.approx(float(grad.norm()), rel=1e-6)
+    assert all(p.grad is None for p in model.parameters())
+    model.waiting = None  # and once the first trace is over, or has failed, another thread may trace it
+    other: list = []
+    thread = threading.Thread(target=lambda: other.append(trace(model, (x,))))
+    thread.start()
+    thread.join()
+    assert other and other[0].leaf("fc.weight").grad_norm == pytest.approx(float(want["fc.weight"].norm()), rel=1e-6)
+
+
+def test_a_model_may_be_traced_by_another_thread_after_a_trace_that_raised():
+    import threading
+
+    model = nn.Linear(4, 3)
+    with pytest.raises(ModelError):
+        trace(model, torch.randn(2, 4), loss_fn=lambda out: out.detach().sum())  # no grad: raises
+    done: list = []
+    thread = threading.Thread(target=lambda: done.append(trace(model, torch.randn(2, 4))))
+    thread.start()
+    thread.join()
+    assert done and done[0].leaf("weight").grad_norm > 0
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    """torch runs a meta model's forward and backward on shapes alone: no norm to show, so no trace."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with pytest.raises(ModelError, match="meta device") as refused:
+        trace(model, torch.randn(4, 8, device="meta"))
+    assert "to_empty" in refused.value.hint
+    with pytest.raises(ModelError, match="meta device"):  # inputs alone on it
+        trace(lambda x: x.sin().sum(), torch.randn(4, device="meta"), input_grad=True)
+
+
+def test_something_that_is_not_callable_is_a_usage_error():
+    from tracer_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="not callable: str"):
+        trace("model", torch.randn(2))
+
+
 def test_hooks_registered_by_another_thread_meanwhile_get_torch_handles():
     import threading
 

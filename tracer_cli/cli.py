@@ -1355,7 +1355,7 @@ def diff(
             if first_divergent is not None:
                 first_divergent = {k: first_divergent[k] for k in ("id", "name", "module", "param", "kind", "source")}
             document = {"first_divergent": first_divergent, "nodes": comparison["nodes"],
-                        "unsynchronized_params": comparison["unsynchronized_params"], "rtol": rtol,
+                        "unsynchronized_params": comparison["unsynchronized_params"], "rtol": rtol, "atol": comparison["atol"],
                         "note": comparison["note"], "a": first, "b": second}
             _write_json(json_path, json.dumps(document, allow_nan=False, sort_keys=True, indent=1) + "\n")
         if json_path != "-":

@@ -59,6 +59,7 @@ from .errors import (
     USER_CODE_ERRORS,
     InternalError,
     ModelError,
+    UsageError,
     UserCodeError,
     first_line,
     message_of,
@@ -2847,6 +2848,8 @@ def trace(
     import torch
 
     started = time.perf_counter()
+    if not callable(model):
+        raise UsageError(f"the model is not callable: {type(model).__name__}", hint="pass an nn.Module or a function")
     if isinstance(args, torch.Tensor) or not isinstance(args, (tuple, list)):
         args = (args,)
     modules = named_modules_of(model)
@@ -2861,6 +2864,7 @@ def trace(
     held_hooks: list[tuple[dict, dict]] = []  # a leaf's post-accumulate-grad hooks, held back during backward
     # each parameter's .grad as the caller left it, before forward: a loss_fn may run a backward of its own
     saved_grads: dict[int, tuple[Any, Any]] = {id(leaf.tensor): (leaf.tensor, leaf.tensor.grad) for leaf in leaves.values()}
+    claim = _claim_leaves(leaves)
     try:
         if train is not None:
             for name, module in modules:
@@ -2896,6 +2900,11 @@ def trace(
                 raise UserCodeError(phase, exc, hint=hint) from exc
             loss, loss_rule = compute_loss(output, loss_fn, loss_reduction)
         tracker.stop_recording()
+        if loss.is_meta:  # (torch runs a meta model's forward and backward, on shapes alone)
+            raise ModelError(
+                "the model or its inputs hold tensors on the meta device, which have no data to trace",
+                hint="build it with real tensors (e.g. model.to_empty(device='cpu') and initialise the weights)",
+            )
         forward_done = time.perf_counter()
         if loss.grad_fn is None:
             inputs_too = "" if input_grad else " (without --no-input-grad, or with trace(..., input_grad=True), floating inputs do)"
@@ -2958,22 +2967,55 @@ def trace(
         }
         return result.with_meta(timings_s=timings)
     finally:
-        tracker.stop_recording()
-        session.close()
-        tracker.remove()
-        for hooks, held in held_hooks:
-            added = dict(hooks)  # none, unless a hook of the user's registered one meanwhile
-            hooks.clear()
-            hooks.update(held)
-            hooks.update(added)
-        _restore_buffers(saved_buffers)
-        for tensor, grad in saved_grads.values():
-            tensor.grad = grad
-        for module, flag in training:
-            if module.training is not flag:  # nn.Module's __setattr__ costs microseconds: only where it changed
-                module.training = flag
-        loss = None  # so that the session holds the last reference to the graph's root
-        session.release()
+        try:
+            tracker.stop_recording()
+            session.close()
+            tracker.remove()
+            for hooks, held in held_hooks:
+                added = dict(hooks)  # none, unless a hook of the user's registered one meanwhile
+                hooks.clear()
+                hooks.update(held)
+                hooks.update(added)
+            _restore_buffers(saved_buffers)
+            for tensor, grad in saved_grads.values():
+                tensor.grad = grad
+            for module, flag in training:
+                if module.training is not flag:  # nn.Module's __setattr__ costs microseconds: only where it changed
+                    module.training = flag
+            loss = None  # so that the session holds the last reference to the graph's root
+            session.release()
+        finally:
+            _release_leaves(claim)  # whatever failed above
+
+
+# (thread, leaves) of every trace running, in any thread: a model's parameters are traced by one thread at a time
+_traced_leaves: list[tuple[int, dict[int, _Leaf]]] = []
+_traced_leaves_lock = threading.Lock()
+
+
+def _claim_leaves(leaves: dict[int, _Leaf]) -> tuple[int, dict[int, _Leaf]]:
+    """Note that this thread traces these parameters; a UsageError where another thread's trace holds one of them
+    (both would set, read and restore the same ``.grad``, and each would record the other's gradients)."""
+    me = threading.get_ident()
+    claim = (me, leaves)
+    with _traced_leaves_lock:
+        for thread, others in _traced_leaves:
+            if thread != me and not leaves.keys().isdisjoint(others):
+                shared = next(key for key in leaves if key in others)
+                raise UsageError(
+                    f"another thread is tracing this model (its parameter {leaves[shared].name}) at the same time",
+                    hint="trace a model from one thread at a time, or give each thread its own copy (copy.deepcopy)",
+                )
+        _traced_leaves.append(claim)
+    return claim
+
+
+def _release_leaves(claim: tuple[int, dict[int, _Leaf]]) -> None:
+    with _traced_leaves_lock:
+        for index, entry in enumerate(_traced_leaves):
+            if entry is claim:
+                del _traced_leaves[index]
+                break
 
 
 def _module_type(module: Any) -> str:
