@@ -275,3 +275,11 @@ def test_messages_take_the_article_a_word_is_read_with(word, phrase):
     from tracer_cli.records import a_or_an
 
     assert a_or_an(word) == phrase
+
+
+def test_a_loss_whose_value_could_not_be_read_shows_as_unknown():
+    """``meta.loss`` is None where its value could not be read back (a tensor subclass's): the summary says ``?``."""
+    result = sample_trace("mlp")
+    text = render_text(result.with_meta(loss=None), TreeOptions())
+    (line,) = [line for line in text.splitlines() if line.startswith("loss")]
+    assert line.split()[1] == "?"

@@ -503,7 +503,10 @@ def render_summary(trace: Trace) -> Table:
     table.add_column(style="bold")
     table.add_column()
     table.add_row("nodes", f"{summary['nodes']} traced, {summary['executed']} ran")
-    loss = Text(format_norm(meta.loss) if meta.loss is not None and not math.isfinite(meta.loss) else f"{meta.loss:.6g}")
+    if meta.loss is None:  # its value could not be read (a tensor subclass's)
+        loss = Text("?")
+    else:
+        loss = Text(format_norm(meta.loss) if not math.isfinite(meta.loss) else f"{meta.loss:.6g}")
     if meta.loss is not None and not math.isfinite(meta.loss):
         loss.stylize(_NONFINITE)
     loss.append(f"  ({meta.loss_rule})", style="dim")
