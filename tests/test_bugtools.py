@@ -373,6 +373,66 @@ def test_diff_names_the_changed_layer(two_runs, tmp_path):
     assert (document["rtol"], document["atol"]) == (1e-5, DEFAULT_ATOL)  # the tolerances, as a merged torchrun file has them
 
 
+STRUCTURES = """
+import os
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.first(x)
+        if os.environ.get("GRADTRACE_TEST_EXTRA"):
+            h = h.sigmoid() * 2
+        return self.second(h.tanh()).sum()
+
+def build_model():
+    return Model()
+
+def example_inputs():
+    return torch.randn(3, 4)
+"""
+
+
+@pytest.mark.parametrize("extra_first", [False, True])
+def test_diff_of_graphs_that_differ_shows_each_files_node_at_the_place_they_part(tmp_path, monkeypatch, extra_first):
+    """Where the graphs differ, the same id names unrelated nodes: the origin's id is said to be of the file
+    whose graph has it, and each file's node at that place in creation order is shown and written (``ids``)."""
+    path = tmp_path / "model.py"
+    path.write_text(STRUCTURES)
+    plain, extra = tmp_path / "plain.json", tmp_path / "extra.json"
+    assert invoke("run", str(path), "--json", str(plain)).exit_code == 0
+    monkeypatch.setenv("GRADTRACE_TEST_EXTRA", "1")
+    assert invoke("run", str(path), "--json", str(extra)).exit_code == 0
+    documents = {file: json.loads(file.read_text()) for file in (plain, extra)}
+    first_file, second_file = (extra, plain) if extra_first else (plain, extra)
+    out = tmp_path / "diff.json"
+    result = invoke("diff", str(first_file), str(second_file), "--json", str(out))
+    assert result.exit_code == 1
+    origin = json.loads(out.read_text())["first_divergent"]
+    assert origin["kind"] == "structure" and origin["file"] == str(extra)
+    assert documents[extra]["nodes"][origin["id"]]["name"] == origin["name"] in ("SigmoidBackward0", "MulBackward0")
+
+    def created_at(document, position):  # the node at a place in creation order, independently of gradtrace's
+        made = sorted((n for n in document["nodes"] if n["created"] is not None), key=lambda n: n["created"])
+        return made[position]["id"]
+
+    position = sorted(n["created"] for n in documents[extra]["nodes"] if n["created"] is not None).index(
+        documents[extra]["nodes"][origin["id"]]["created"]
+    )
+    want = [created_at(documents[file], position) for file in (first_file, second_file)]
+    assert origin["ids"] == want and want[0] != want[1]
+    lines = result.stdout.splitlines()
+    assert f"of {extra}" in lines[0]
+    (node_line,) = [line for line in lines if line.lstrip().startswith("node:")]
+    for file, node_id in zip((first_file, second_file), want):
+        name = documents[file]["nodes"][node_id]["name"].removesuffix("0").removesuffix("Backward")
+        assert f"{file}: #{node_id} {name}" in node_line
+
+
 def test_diff_lines_are_not_folded_when_stdout_is_not_a_terminal(tmp_path, monkeypatch):
     """In a CI log the header and the table keep a long module path whole (Rich folds at 80 columns)."""
     path = tmp_path / "nested.py"

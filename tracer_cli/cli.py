@@ -1351,9 +1351,13 @@ def diff(
             if note:
                 _stderr_console().print(note, style="dim", markup=False)
         if json_path is not None:
-            first_divergent = comparison["first_divergent"]
-            if first_divergent is not None:
-                first_divergent = {k: first_divergent[k] for k in ("id", "name", "module", "param", "kind", "source")}
+            origin, first_divergent = comparison["first_divergent"], None
+            if origin is not None:
+                first_divergent = {k: origin[k] for k in ("id", "name", "module", "param", "kind", "source")}
+                # the file whose graph the id is of, and each file's node at that place: where the graphs differ
+                # (a structure divergence) they are two ids, else the same
+                first_divergent["file"] = (first, second)[origin["rank"]]
+                first_divergent["ids"] = origin.get("ids", [origin["id"]] * 2)
             document = {"first_divergent": first_divergent, "nodes": comparison["nodes"],
                         "unsynchronized_params": comparison["unsynchronized_params"], "rtol": rtol, "atol": comparison["atol"],
                         "note": comparison["note"], "a": first, "b": second}

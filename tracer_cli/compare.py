@@ -80,13 +80,17 @@ def _creation_sequence(trace: Trace) -> list[Node]:
     return leaves + made
 
 
-def _describe(node: Node, kind: str, ranks: list[int], rank: int) -> dict[str, Any]:
+def _describe(node: Node, kind: str, ranks: list[int], rank: int, ids: list[int | None] | None = None) -> dict[str, Any]:
     """The origin, ``node`` of ``rank``'s trace (the graphs align but for a structure divergence, so its id
-    names the same node on every rank but then)."""
-    return {
+    names the same node on every rank but then). ``ids``: the id of the node at the same place in each trace,
+    in creation order (None past its end), where they differ (a structure divergence)."""
+    described = {
         "id": node.id, "name": node.name, "module": node.module, "param": node.param, "kind": kind, "ranks": ranks,
         "source": node.source, "rank": rank,
     }
+    if ids is not None:
+        described["ids"] = ids
+    return described
 
 
 def _structure_origin(traces: Sequence[Trace], labels: list[int]) -> dict[str, Any] | None:
@@ -102,12 +106,14 @@ def _structure_origin(traces: Sequence[Trace], labels: list[int]) -> dict[str, A
             reference = keys[1] if _inserted(sequences[0], sequences[1], position) else keys[0]
         differing = [i for i, key in enumerate(keys) if key != reference]
         culprit = next((i for i in differing if position < len(sequences[i])), 0)
-        return _describe(sequences[culprit][position], "structure", [labels[i] for i in differing], labels[culprit])
+        ids = [s[position].id if position < len(s) else None for s in sequences]
+        return _describe(sequences[culprit][position], "structure", [labels[i] for i in differing], labels[culprit], ids)
     # same nodes in the same creation order: the edges (or ids) may still differ
     for position in range(longest):
         nodes = [s[position] for s in sequences]
         if len({(n.id, *_signature(n)) for n in nodes}) > 1:
-            return _describe(nodes[-1], "structure", [labels[i] for i in range(1, len(nodes))], labels[-1])
+            ids = [n.id for n in nodes]
+            return _describe(nodes[-1], "structure", [labels[i] for i in range(1, len(nodes))], labels[-1], ids)
     return None
 
 

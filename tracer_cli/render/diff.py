@@ -25,12 +25,10 @@ def _norms(stats: tuple[GradStat | None, ...] | None) -> str:
 
 
 def _values(kind: str, a: Node, b: Node) -> tuple[str, str]:
-    """What to show for each side of the origin: the values that differ there."""
+    """What to show for each side of a forward or backward origin: the values that differ there."""
     if kind == "forward":
         return (format_norm(a.forward.norm) if a.forward else "?", format_norm(b.forward.norm) if b.forward else "?")
-    if kind == "backward":
-        return _norms(a.grad_inputs), _norms(b.grad_inputs)
-    return f"{short_name(a.name)} in {_where(a.param, a.module)}", f"{short_name(b.name)} in {_where(b.param, b.module)}"
+    return _norms(a.grad_inputs), _norms(b.grad_inputs)
 
 
 def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[str, str]) -> RenderableType:
@@ -40,15 +38,23 @@ def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[st
     if first is None and not comparison.get("unsynchronized_params"):
         parts.append(Text(f"the traces agree (rtol {comparison['rtol']:g})", style="green"))
     elif first is not None:
-        node_a = a.nodes[first["id"]] if first["id"] < len(a.nodes) else None
-        node_b = b.nodes[first["id"]] if first["id"] < len(b.nodes) else None
+        # the node at the same place in each trace: the same id, but where the graphs differ (a structure
+        # divergence: the id is that of one trace's graph, first["rank"]; "ids" holds each trace's, or None)
+        id_a, id_b = first.get("ids") or (first["id"], first["id"])
+        node_a = a.nodes[id_a] if id_a is not None and id_a < len(a.nodes) else None
+        node_b = b.nodes[id_b] if id_b is not None and id_b < len(b.nodes) else None
         text = Text("first difference: ", style="bold red")
         where = _where(first["param"], first["module"])
         text.append(f"{first['kind']} at #{first['id']} {short_name(first['name'])} ({where})", style="bold red")
+        if first["kind"] == "structure" and first.get("rank") in (0, 1):
+            text.append(f" of {labels[first['rank']]}", style="bold red")
         parts.append(text)
-        if node_a is not None and node_b is not None:
+        if first["kind"] == "structure":  # in creation order, the first place where the graphs do not align
+            shown = [f"#{node.id} {short_name(node.name)} in {_where(node.param, node.module)}" if node else "nothing (its graph ends)" for node in (node_a, node_b)]
+            parts.append(Text(f"  node: {labels[0]}: {shown[0]}   {labels[1]}: {shown[1]}"))
+        elif node_a is not None and node_b is not None:
             value_a, value_b = _values(first["kind"], node_a, node_b)
-            what = {"forward": "forward value ‖·‖", "backward": "grad_in ‖·‖", "structure": "node"}[first["kind"]]
+            what = {"forward": "forward value ‖·‖", "backward": "grad_in ‖·‖"}[first["kind"]]
             parts.append(Text(f"  {what}: {labels[0]}: {value_a}   {labels[1]}: {value_b}"))
     if comparison.get("note"):
         parts.append(Text(comparison["note"], style="yellow"))
