@@ -585,6 +585,24 @@ def test_a_complex_output_beside_a_real_one_is_left_out_and_said_so():
     assert result.meta.loss_rule == "output[1].sum()"
 
 
+def test_a_loss_that_is_a_parameter_as_it_is_is_said_to_be_a_leaf():
+    """A forward that returns a parameter: its loss requires grad but no op made it, so no graph; not "does not
+    require grad", which would be false."""
+    from tracer_cli.errors import ModelError
+
+    class ReturnsItsWeight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):
+            return self.w
+
+    with pytest.raises(ModelError) as caught:
+        trace(ReturnsItsWeight(), torch.randn(3))
+    assert "is a leaf tensor" in caught.value.message and "does not require grad" not in caught.value.message
+
+
 def test_a_loss_that_is_not_a_single_value_has_a_hint_that_helps():
     from tracer_cli.errors import ModelError
 

@@ -2906,6 +2906,12 @@ def trace(
                 hint="build it with real tensors (e.g. model.to_empty(device='cpu') and initialise the weights)",
             )
         forward_done = time.perf_counter()
+        if loss.grad_fn is None and loss.requires_grad:
+            raise ModelError(
+                f"the loss ({loss_rule}) is a leaf tensor, a parameter or an input as it is: no op made it, so its "
+                "backward has no graph to trace",
+                hint="return what forward computes from it (or pass a loss_fn that computes the loss)",
+            )
         if loss.grad_fn is None:
             inputs_too = "" if input_grad else " (without --no-input-grad, or with trace(..., input_grad=True), floating inputs do)"
             raise ModelError(
