@@ -637,6 +637,23 @@ def test_every_option_has_help():
                 assert param.help, f"{name} {param.opts}"
 
 
+@pytest.mark.parametrize("command", ["run", "check", "diff"])
+def test_help_in_80_columns_keeps_every_word_of_every_option(command):
+    """Piped, or in an 80-column terminal, the help is wrapped, not cut short: every option and every word of its
+    help is there (Typer's boxed help squeezed the descriptions into a 20-column strip and cut words with "…")."""
+    import typer.main
+
+    code = f"import sys\nsys.argv = ['gradtrace', {command!r}, '-h']\nfrom tracer_cli.cli import main\nmain()\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    assert max(map(len, result.stdout.splitlines())) <= 80 and "…" not in result.stdout
+    squeezed = "".join(result.stdout.split())
+    for param in typer.main.get_command(app).commands[command].params:
+        if param.param_type_name == "option":
+            assert all(opt in result.stdout for opt in param.opts), param.opts
+            assert "".join(param.help.split()) in squeezed, param.help
+
+
 def test_module_entry_point_and_console_script(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "tracer_cli", "run", str(SAMPLES / "classic_mul_div.py"), "--json", "-"],

@@ -33,6 +33,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     pretty_exceptions_show_locals=False,
     context_settings={"help_option_names": ["-h", "--help"]},
+    rich_markup_mode=None,
 )
 
 
@@ -301,7 +302,7 @@ class _Options:
     exports: dict[str, str] = field(default_factory=dict)  # "svg" / "html" / "dot" -> path
 
 
-@app.command()
+@app.command(short_help="Trace one forward and backward: every node's gradients.")
 def run(
     ctx: typer.Context,
     target: str = typer.Argument(
@@ -367,7 +368,7 @@ def run(
     _guarded(debug, lambda: _execute(ctx))
 
 
-@app.command()
+@app.command(short_help="Check gradient health and fail on problems (for CI).")
 def check(
     ctx: typer.Context,
     targets: Optional[List[str]] = typer.Argument(
@@ -1310,7 +1311,7 @@ def _write_json(json_path: str, text: str) -> None:
     _write_file(json_path, text)
 
 
-@app.command()
+@app.command(short_help="Compare two traces; name where they first differ.")
 def diff(
     first: str = typer.Argument(..., metavar="A.json", help="A trace written by --json (FILE#N: rank N of a merged file).",
                                 show_default=False),
@@ -1392,7 +1393,20 @@ def main() -> None:
 
     if hasattr(rich_utils, "rich_format_error"):  # where typer boxes a parse error: gradtrace's usual lines
         rich_utils.rich_format_error = _report_parse_error
-    app(prog_name="gradtrace")
+    # Parse errors come back here rather than being shown by click, as typer leaves them to it where help is
+    # plain (rich_markup_mode=None, typer 0.2x). A click exception (click's own, or the copy typer 0.2x
+    # carries) is known by its exit code and message
+    try:
+        code = typer.main.get_command(app).main(prog_name="gradtrace", standalone_mode=False)
+    except typer.Abort:
+        sys.stderr.write("Aborted!\n")
+        sys.exit(1)
+    except Exception as error:
+        if not (hasattr(error, "exit_code") and hasattr(error, "format_message")):
+            raise
+        _report_parse_error(error)
+        sys.exit(error.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _report_parse_error(error: Any) -> None:
@@ -1400,6 +1414,9 @@ def _report_parse_error(error: Any) -> None:
     usage errors are: ``gradtrace: error: ...`` on one line and a hint (Typer then exits with its code, 2)."""
     from .errors import UsageError
 
+    if type(error).__name__ == "NoArgsIsHelpError":  # no arguments at all: the help (click 8.2 and later)
+        error.show()
+        return
     context = getattr(error, "ctx", None)
     command = context.command_path if context is not None else "gradtrace"
     message = " ".join(error.format_message().split())
