@@ -466,8 +466,17 @@ def test_malicious_pt_never_executes(tmp_path, write):
 def test_corrupt_pt(tmp_path, content):
     path = tmp_path / "junk.pt"
     path.write_bytes(content)
-    with pytest.raises(UsageError, match="cannot load inputs file"):
+    with pytest.raises(UsageError, match="cannot load inputs file") as caught:
         load_inputs_file(path)
+    # a file that does not even start as torch.save's do is said to be none of them (not "not plain tensors")
+    assert ("not a file torch.save wrote" in caught.value.message) == (not content.startswith(b"PK"))
+
+
+def test_a_pt_file_torch_wrote_the_old_way_loads(tmp_path):
+    path = tmp_path / "legacy.pt"
+    torch.save({"x": torch.arange(3.0)}, path, _use_new_zipfile_serialization=False)
+    args, kwargs = load_inputs_file(path)
+    assert args == () and torch.equal(kwargs["x"], torch.arange(3.0))
 
 
 def test_missing_file(tmp_path):

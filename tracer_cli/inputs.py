@@ -360,8 +360,9 @@ def _load_tensors(path: Path, device: Any) -> tuple[tuple, dict]:
             loaded = torch.load(path, map_location=device, weights_only=True)
     # any failure to load an untrusted file is the file's fault, whatever torch raises
     except Exception as err:  # noqa: BLE001
+        reason = _load_failure(err) if _may_be_torch_save(path) else "it is not a file torch.save wrote"
         raise UsageError(
-            f"cannot load inputs file '{path}': {_load_failure(err)}; {plain_tensors}",
+            f"cannot load inputs file '{path}': {reason}; {plain_tensors}",
             "save a tensor, a tuple/list of tensors or a dict of tensors with torch.save",
         ) from err
     if isinstance(loaded, torch.Tensor):
@@ -397,6 +398,17 @@ def _first_non_tensor(value: Any, where: str, tensor_type: type) -> str | None:
         if problem is not None:
             return problem
     return None
+
+
+def _may_be_torch_save(path: Path) -> bool:
+    """Whether the file starts as torch.save's files do: a zip archive, or (before torch 1.6, or with
+    ``_use_new_zipfile_serialization=False``) a pickle."""
+    try:
+        with open(path, "rb") as file:
+            start = file.read(4)
+    except OSError:
+        return True  # (then torch's own error says why)
+    return start.startswith((b"PK\x03\x04", b"\x80"))
 
 
 def _load_failure(err: Exception) -> str:
