@@ -373,6 +373,23 @@ def test_diff_names_the_changed_layer(two_runs, tmp_path):
     assert (document["rtol"], document["atol"]) == (1e-5, DEFAULT_ATOL)  # the tolerances, as a merged torchrun file has them
 
 
+def test_diff_says_when_other_weights_differ_too(two_runs, tmp_path):
+    """One changed parameter is the origin alone; weights of another seed all differ, which is said."""
+    before, after = two_runs
+    assert "differ too" not in invoke("diff", str(before), str(after)).stdout
+    seeds = []
+    for seed in ("0", "1"):
+        seeds.append(tmp_path / f"seed{seed}.json")
+        assert invoke("run", str(SAMPLES_DIR / "mlp.py"), "--seed", seed, "--json", str(seeds[-1])).exit_code == 0
+    result = invoke("diff", *map(str, seeds))
+    assert result.exit_code == 1
+    (line,) = [line for line in result.stdout.splitlines() if line.endswith("differ too")]
+    origin = json.loads(seeds[0].read_text())
+    params = {n["param"] for n in origin["nodes"] if n["param"] is not None}
+    named = re.findall(r"[\w.:]+", line.split(" and ")[0])
+    assert named and set(named) <= params and "2 more" in line  # 6 parameters and input:0, less the origin
+
+
 STRUCTURES = """
 import os
 import torch

@@ -603,6 +603,16 @@ def test_a_loss_that_is_a_parameter_as_it_is_is_said_to_be_a_leaf():
     assert "is a leaf tensor" in caught.value.message and "does not require grad" not in caught.value.message
 
 
+@pytest.mark.parametrize("dtype, said", [(torch.int64, "an int64 tensor"), (torch.bool, "a bool tensor")])
+def test_an_output_of_integers_names_its_dtype(dtype, said):
+    from tracer_cli.errors import ModelError
+
+    layer = nn.Linear(4, 3)
+    with pytest.raises(ModelError) as caught:
+        trace(lambda x: layer(x).argmax(-1).to(dtype), torch.randn(2, 4))
+    assert f"the model returned {said}, which holds no floating-point tensor" in caught.value.message
+
+
 def test_a_loss_that_is_not_a_single_value_has_a_hint_that_helps():
     from tracer_cli.errors import ModelError
 

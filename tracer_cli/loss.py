@@ -101,9 +101,11 @@ def compute_loss(
                 "one: a complex loss has no gradient to follow",
                 hint="define loss_fn(output) returning a real scalar, e.g. output.abs().pow(2).sum() or output.real.sum()",
             )
+        import torch
+
+        what = a_or_an(f"{str(output.dtype).removeprefix('torch.')} tensor") if isinstance(output, torch.Tensor) else type(output).__name__
         raise ModelError(
-            f"the model returned {type(output).__name__}, which holds no floating-point tensor to "
-            "differentiate",
+            f"the model returned {what}, which holds no floating-point tensor to differentiate",
             hint="define loss_fn(output) in the model file, or return a tensor",
         )
     paths = ", ".join(path for path, _ in chosen)

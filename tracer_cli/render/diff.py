@@ -8,7 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..records import GradStat, Node, Trace, decode_float
+from ..records import GradStat, Node, Trace, decode_float, listed
 from .tree import ROOT, format_norm, short_name
 
 _SHOWN = 15
@@ -29,6 +29,17 @@ def _values(kind: str, a: Node, b: Node) -> tuple[str, str]:
     if kind == "forward":
         return (format_norm(a.forward.norm) if a.forward else "?", format_norm(b.forward.norm) if b.forward else "?")
     return _norms(a.grad_inputs), _norms(b.grad_inputs)
+
+
+def _other_leaves_that_differ(a: Trace, comparison: dict[str, Any], origin: int) -> list[str]:
+    """The parameters and inputs whose values (their leaves' forward values) differ, besides the origin."""
+    rtol = comparison["rtol"]
+    names = []
+    for entry in comparison.get("nodes", ()):
+        spread = decode_float(entry.get("forward"))
+        if entry["id"] != origin and spread is not None and spread > rtol and a.nodes[entry["id"]].param is not None:
+            names.append(a.nodes[entry["id"]].param)
+    return names
 
 
 def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[str, str]) -> RenderableType:
@@ -56,6 +67,11 @@ def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[st
             value_a, value_b = _values(first["kind"], node_a, node_b)
             what = {"forward": "forward value ‖·‖", "backward": "grad_in ‖·‖"}[first["kind"]]
             parts.append(Text(f"  {what}: {labels[0]}: {value_a}   {labels[1]}: {value_b}"))
+            if first["kind"] == "forward" and first["param"] is not None:
+                # one leaf is the origin; many at once are rather other weights or inputs (another seed, a checkpoint)
+                others = _other_leaves_that_differ(a, comparison, first["id"])
+                if others:
+                    parts.append(Text(f"  {listed(others, 4)} differ too", style="yellow"))
     if comparison.get("note"):
         parts.append(Text(comparison["note"], style="yellow"))
     if comparison.get("unsynchronized_params") and first is None:
