@@ -702,6 +702,59 @@ def test_gradcheck_passes_correct_functions_small_and_saturated(scale):
         assert check.passed is True, (function.__name__, check)
 
 
+def _computing_in(dtype: torch.dtype, name: str, forward, derivative) -> type:
+    """An elementwise custom Function that casts its input down to ``dtype`` and computes there, as mixed-precision
+    code does, its backward multiplying by ``derivative``."""
+    return _elementwise_function(
+        name, lambda x: forward(x.to(dtype)).to(x.dtype), lambda x: derivative(x.to(dtype)).to(x.dtype)
+    )
+
+
+@pytest.mark.parametrize("size", [(32, 64), (4, 16, 128)])
+def test_gradcheck_judges_a_function_that_computes_in_float32_inside(size):
+    """A Function computing in float32 (its float64 inputs cast down) rounds a float64 check's steps away: it
+    is checked at float32's precision, right ones passing and wrong ones failing (it read as a kink before:
+    no verdict, so a backward off by 2x passed under check)."""
+    torch.manual_seed(0)
+    x = torch.randn(*size)
+    softplus = nn.functional.softplus
+    for factor, verdict in ((1.0, True), (2.0, False), (1.1, False)):
+        function = _computing_in(torch.float32, f"Softplus32x{factor}", softplus, lambda x, f=factor: torch.sigmoid(x) * f)
+        check = _gradcheck_of(function, x)
+        assert check.passed is verdict, (factor, check)
+    tanh = _computing_in(torch.float32, "Tanh32", torch.tanh, lambda x: 1 - torch.tanh(x) ** 2)
+    assert _gradcheck_of(tanh, x).passed is True
+    for scale in (3.0, 30.0):  # saturated: a derivative float32's rounding may hide (no verdict), never a failure
+        saturated = _gradcheck_of(tanh, scale * x)
+        assert saturated.passed is not False, (scale, saturated)
+        assert saturated.passed is True or "rounding hides the derivative" in saturated.error
+
+
+def test_gradcheck_gives_no_verdict_on_a_function_that_computes_in_16_bits():
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    for dtype in (torch.bfloat16, torch.float16):
+        function = _computing_in(dtype, "Softplus16", nn.functional.softplus, lambda x: 2 * torch.sigmoid(x))
+        check = _gradcheck_of(function, x)
+        assert check.passed is None and f"computes in {str(dtype)[6:]} inside" in check.error
+
+
+def test_gradcheck_of_a_rounding_or_constant_function_is_not_taken_for_low_precision():
+    """Whole-number or constant outputs are exactly float32's (bf16's) values too: not a sign of a narrow
+    computation. A straight-through estimator (round forward, identity backward) is checked as before, and its
+    backward, which is not round's derivative, fails."""
+    from tracer_cli.gradcheck import _inner_dtype
+
+    torch.manual_seed(0)
+    x = 5 * torch.randn(32, 64)
+    straight_through = _elementwise_function("StraightThrough", torch.round, torch.ones_like)
+    check = _gradcheck_of(straight_through, x)
+    assert check.passed is False and "computes in" not in (check.error or "")
+    wide = x.double().requires_grad_()
+    assert _inner_dtype(lambda t: (torch.full_like(t, 0.5),), [wide]) is torch.float64
+    assert _inner_dtype(lambda t: (t.float().exp().double(),), [wide]) is torch.float32
+
+
 def test_gradcheck_gives_no_verdict_at_a_kink():
     """A correct ReLU called on exact zeros has no derivative there: neither pass nor fail."""
     torch.manual_seed(0)

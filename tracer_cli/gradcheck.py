@@ -17,6 +17,7 @@ tensors), and fails if either fails:
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, Iterator
 
 from .errors import first_line
@@ -29,6 +30,16 @@ SKIPPED = frozenset({"CheckpointFunction", "CompiledFunction"})
 _STEP = 1e-8  # the central difference's step, times a standard normal direction
 RTOL = 1e-3  # PyTorch gradcheck's own relative tolerance
 _ROUNDING = 10 * 2.0**-52  # float64 rounding of each output value, with a margin
+# A Function that computes in float32 inside (it casts its float64 inputs down) gives outputs that a step of
+# _STEP does not move beyond float32's rounding: its central difference is taken with this step, and it is
+# checked by the directional derivative alone (PyTorch's check takes steps of 1e-6). Its rounding is float32's,
+# a few units in the last place per output value, summed as the random signs of the weights sum them (the
+# square root of the sum of squares, ten times over) rather than all in one direction: that would hide
+# errors of a few percent on a few thousand outputs.
+_STEP_FLOAT32 = 1e-3
+_ROUNDING_FLOAT32 = 4 * 2.0**-24
+_ROUNDING_SPREAD = 10.0
+_NOISE_FLOAT32 = 0.1  # no verdict where that rounding is more than this share of the directional derivative
 
 
 # Function.apply is one attribute for the whole process: while any thread records, it is _apply, which hands
@@ -136,10 +147,21 @@ def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck | None:
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
             torch.manual_seed(0)
-            passed = torch.autograd.gradcheck(
-                function, tuple(inputs), fast_mode=True, raise_exception=False, check_undefined_grad=False
-            )
-            mismatch, agree = _directional_mismatch(function, inputs)
+            inside = _inner_dtype(function, inputs)
+            torch.manual_seed(0)  # the checks' directions, whatever the look above drew
+            if inside in (torch.float16, torch.bfloat16):
+                name = str(inside).removeprefix("torch.")
+                return Gradcheck(None, None, f"computes in {name} inside, too coarse for a numerical derivative")
+            if inside is torch.float32:
+                passed = True
+                mismatch, agree, noise = _directional_mismatch(function, inputs, _STEP_FLOAT32, _ROUNDING_FLOAT32, random=True)
+                if noise > _NOISE_FLOAT32 and agree is not None:
+                    return Gradcheck(None, mismatch, "computes in float32 inside, whose rounding hides the derivative at these inputs")
+            else:
+                passed = torch.autograd.gradcheck(
+                    function, tuple(inputs), fast_mode=True, raise_exception=False, check_undefined_grad=False
+                )
+                mismatch, agree, _ = _directional_mismatch(function, inputs)
     except Exception as exc:  # the Function does not run in float64, or raised: report it
         return Gradcheck(None, None, first_line(exc, 300))
     if agree is None:  # PyTorch's check is misled by the same kink
@@ -148,10 +170,42 @@ def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck | None:
     return Gradcheck(bool(passed) and agree, mismatch, None)
 
 
-def _directional_mismatch(function: Any, inputs: list[Any]) -> tuple[float, bool | None]:
+def _inner_dtype(function: Any, inputs: list[Any]) -> Any:
+    """The dtype the Function computes in: float64, or a narrower one it casts its inputs down to, known by
+    outputs that are all exactly that dtype's values at inputs nudged off float32's (a float64 computation
+    of them almost never is) but that move with a larger nudge. float64 where no output tells: none that
+    is real and float64, none but zeros and non-finite values, whole numbers only (a rounding Function's),
+    or outputs that a nudge of 1% does not move (a constant's)."""
+    import torch
+
+    def outputs(relative: float) -> list[Any]:
+        with torch.no_grad():
+            nudged = [
+                x + (x.abs() + 1) * relative * torch.randn_like(x) if x.requires_grad and x.dtype is torch.float64 else x
+                for x in inputs
+            ]
+            return [o for o in _tensors_in(function(*nudged), torch.Tensor) if o.dtype is torch.float64]
+
+    near = outputs(1e-9)
+    values = [v for v in (o[o.isfinite() & (o != 0)] for o in near) if v.numel()]
+    if not values or all(torch.equal(v.round(), v) for v in values):
+        return torch.float64
+    narrow = next(
+        (d for d in (torch.bfloat16, torch.float16, torch.float32) if all(torch.equal(v.to(d).to(torch.float64), v) for v in values)),
+        torch.float64,
+    )
+    if narrow is not torch.float64 and all(torch.equal(a, b) for a, b in zip(near, outputs(1e-2))):
+        return torch.float64
+    return narrow
+
+
+def _directional_mismatch(
+    function: Any, inputs: list[Any], step: float = _STEP, rounding_unit: float = _ROUNDING, random: bool = False
+) -> tuple[float, bool | None, float]:
     """Compare the analytical and the numerical derivative of ``<w, f(x)>`` along a random direction.
 
-    Returns their relative difference and a verdict: True where they agree to ``RTOL`` beyond what
+    Returns their relative difference, a verdict, and the share of the derivative that rounding of the
+    outputs may account for. The verdict: True where they agree to ``RTOL`` beyond what
     float64 rounding of the outputs explains (it matters where the derivative is tiny beside the
     values, a saturated activation), False where they do not, None where ``f`` is not differentiable
     at ``x`` along the direction (a kink on the way, ReLU's at an input that is exactly 0).
@@ -162,7 +216,9 @@ def _directional_mismatch(function: Any, inputs: list[Any]) -> tuple[float, bool
     step's square. So where they disagree, the step is doubled: the disagreement doubling is a kink.
 
     The step is small (``_STEP``) so that few elements straddle a kink; the analytical derivative is
-    taken along the displacement actually made (``x + h`` is rounded).
+    taken along the displacement actually made (``x + h`` is rounded). A Function that computes in float32
+    inside is checked with a larger ``step`` and float32's ``rounding_unit``, its rounding summed as ``random``
+    errors (``_ROUNDING_SPREAD`` times the root of the sum of their squares).
     """
     import torch
 
@@ -197,16 +253,20 @@ def _directional_mismatch(function: Any, inputs: list[Any]) -> tuple[float, bool
             numerical_ahead = dot((w, p - o) for w, p, o in zip(weights, plus, here))
             numerical_behind = dot((w, o - m) for w, o, m in zip(weights, here, minus))
             magnitudes = (w.abs() * (p.abs() + 2 * o.abs() + m.abs()) for w, p, o, m in zip(weights, plus, here, minus))
-            rounding = _ROUNDING * sum(float(t.sum()) for t in magnitudes)
+            if random:
+                rounding = rounding_unit * _ROUNDING_SPREAD * math.sqrt(sum(float(t.square().sum()) for t in magnitudes))
+            else:
+                rounding = rounding_unit * sum(float(t.sum()) for t in magnitudes)
         excess = (numerical_ahead - analytical_ahead) - (numerical_behind - analytical_behind)
         return analytical_ahead + analytical_behind, numerical_ahead + numerical_behind, excess, rounding
 
-    analytical, numerical, excess, rounding = differences(_STEP)
+    analytical, numerical, excess, rounding = differences(step)
     scale = max(abs(analytical), abs(numerical), 1e-300)
     tolerance = RTOL * scale + rounding
     mismatch = abs(analytical - numerical) / scale
+    noise = rounding / scale
     if abs(excess) > tolerance:
-        doubled = differences(2 * _STEP)[2]
+        doubled = differences(2 * step)[2]
         if abs(doubled - 2 * excess) <= abs(doubled - 4 * excess):  # grows with the step: a kink
-            return mismatch, None
-    return mismatch, abs(analytical - numerical) <= tolerance
+            return mismatch, None, noise
+    return mismatch, abs(analytical - numerical) <= tolerance, noise
