@@ -619,6 +619,29 @@ def test_replay_flags_a_stateful_backward():
     assert others and all(n.replay.reproducible for n in others)
 
 
+def test_replay_gives_no_verdict_inside_a_non_reentrant_checkpoint():
+    """A non-reentrant checkpoint recomputes its nodes' saved tensors once per backward and refuses to hand them
+    out again: torch refusing a second run is no sign of a nondeterministic backward (it failed every such node)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ff, self.out = nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.out(checkpoint(self.ff, x, use_reentrant=False))
+
+    torch.manual_seed(0)
+    result = trace(Checkpointed(), torch.randn(4, 8), replay=True)
+    # the nodes that saved tensors inside it (TBackward0 saves none: it runs again)
+    inside = [n for n in result.nodes if n.module in ("ff.0", "ff.1") and n.name in ("AddmmBackward0", "TanhBackward0")]
+    assert len(inside) == 2 and all(n.replay.reproducible is None and "checkpoint" in n.replay.note for n in inside), inside
+    outside = [n for n in result.nodes if n.module == "out" and n.replay is not None and n.replay.reproducible is not None]
+    assert outside and all(n.replay.reproducible for n in outside)
+    assert not [n for n in result.nodes if n.replay and n.replay.reproducible is False]
+
+
 def test_replay_leaves_gradients_unchanged():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))

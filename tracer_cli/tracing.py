@@ -1964,6 +1964,9 @@ class _TraceSession:
         except Exception as exc:  # the node refused to run again: that is the finding
             if "backward through the graph a second time" in message_of(exc):  # it frees what it saved: no verdict
                 return (None, None, f"could not run again, its saved tensors were freed as it ran: not replayed ({first_line(exc, 120)})")
+            if type(exc).__name__ == "CheckpointError" or "already unpacked once" in message_of(exc):
+                # a non-reentrant checkpoint recomputes what its nodes saved once per backward: no verdict either
+                return (None, None, "could not run again, its saved tensors are a checkpoint's, recomputed once per backward: not replayed")
             return (None, None, f"could not run again: {first_line(exc, 200)}")
         finally:
             self._replaying = False
