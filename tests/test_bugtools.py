@@ -222,6 +222,29 @@ def test_forward_nan_made_inside_one_call_names_the_ops_not_seen_one_by_one():
     assert plain.unrecorded_note(plain.forward_nonfinite_origin()) == ""
 
 
+@pytest.mark.parametrize("weight, cast_named", [(5e3, False), (1e5, True)])
+def test_autocasts_of_weights_in_range_are_not_named_as_unseen_origins(weight, cast_named):
+    """Under autocast a Linear's weight and bias are cast to float16 inside F.linear's one call: the casts have no
+    forward values of their own. A cast of values whose norm float16 holds (8x8 of 5e3: 4e4) cannot have made
+    the infinity, so it is not named beside the Linear that overflowed; one of values float16 cannot hold (1e5)
+    may have, and is."""
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+    with torch.no_grad():
+        first.weight.fill_(weight)
+
+    def model(x):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return torch.softmax(second(first(x)), -1).float().sum()  # first's output overflows float16 either way
+
+    result = trace(model, (torch.full((4, 8), 10.0),), forward_stats=True, input_grad=True)
+    assert math.isnan(result.meta.loss)
+    made = result.forward_nonfinite_origin()
+    named = [node.name for node in result.unrecorded_before(made)]
+    assert ("ToCopyBackward0" in named) == cast_named, (made, named)
+    if not cast_named:
+        assert (made.name, made.module) == ("AddmmBackward0", "first")
+
+
 def test_run_traces_a_nan_loss_again_to_name_where_forward_made_it():
     result = invoke("run", str(SAMPLES_DIR / "nan_forward.py"))
     assert result.exit_code == 0

@@ -371,6 +371,9 @@ _VALUE_KEEPING = tuple(
     )
 )
 
+# the largest finite value of a floating dtype, by name: a value whose norm is no larger is held by it
+_LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38, "float64": math.inf}
+
 
 @dataclass(frozen=True)
 class InputInfo:
@@ -620,10 +623,22 @@ class Trace:
             if current.id in seen or current.forward is not None or current.created is None:
                 continue  # a recorded value (it came through finite, or is the origin's input) or a leaf
             seen.add(current.id)
-            if not current.name.startswith(_VALUE_KEEPING):
+            if not current.name.startswith(_VALUE_KEEPING) and not self._cast_in_range(current):
                 found.append(current)
             stack.extend(child for child in current.next if child is not None)
         return sorted(found, key=lambda n: n.created)
+
+    def _cast_in_range(self, node: Node) -> bool:
+        """Whether ``node`` is a dtype conversion (autocast's of a weight, say) of values recorded finite and no
+        larger, by their norm, than its dtype holds: it cannot have made a NaN or an infinity."""
+        if not node.name.startswith("ToCopyBackward") or not node.grad_outputs or node.grad_outputs[0] is None:
+            return False
+        largest = _LARGEST.get(node.grad_outputs[0].dtype)
+        inputs = [self.nodes[child] for child in node.next if child is not None]
+        return largest is not None and bool(inputs) and all(
+            n.forward is not None and n.forward.norm is not None and math.isfinite(n.forward.norm) and n.forward.norm <= largest
+            for n in inputs
+        )
 
     def unrecorded_note(self, node: Node) -> str:
         """``", or in an op before it ..."`` naming :meth:`unrecorded_before` (empty when there is none); for a
