@@ -585,6 +585,14 @@ def test_a_complex_output_beside_a_real_one_is_left_out_and_said_so():
     assert result.meta.loss_rule == "output[1].sum()"
 
 
+def test_one_input_tensor_passed_twice_is_one_leaf_named_where_it_comes_first():
+    x = torch.randn(3, 4, requires_grad=True)
+    result = trace(lambda a, b: (a * b).sum(), (x, x))
+    (leaf,) = [n for n in result.nodes if n.param is not None]
+    assert leaf.param == "input:0"
+    assert leaf.grad_norm == pytest.approx(float((2 * x).detach().norm()), rel=1e-6)
+
+
 def test_a_loss_that_is_a_parameter_as_it_is_is_said_to_be_a_leaf():
     """A forward that returns a parameter: its loss requires grad but no op made it, so no graph; not "does not
     require grad", which would be false."""

@@ -285,7 +285,7 @@ def _prepare_inputs(args: tuple, kwargs: dict, input_grad: bool) -> tuple[tuple,
                 value = value.detach()
             if input_grad and value.is_leaf and not value.requires_grad and (value.is_floating_point() or value.is_complex()):
                 value = value.detach().requires_grad_()
-            names[id(value)] = name
+            names.setdefault(id(value), name)  # one tensor passed twice is one leaf: named where it comes first
             infos.append(InputInfo(name, tuple(value.shape), _dtype_name(value.dtype)))
             return value
         if isinstance(value, tuple) and hasattr(value, "_fields") and hasattr(value, "_make"):  # a PackedSequence
