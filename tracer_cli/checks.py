@@ -190,7 +190,7 @@ def gradcheck_findings(trace: Trace) -> list[Finding]:
     return [
         Finding(
             "gradcheck",
-            "backward does not match the numerical gradient (float64, along random directions; mismatch "
+            "backward does not match the numerical gradient (along random directions; mismatch "
             f"{_number(node.gradcheck.mismatch)})",
             node=node.id,
             name=node.name,
