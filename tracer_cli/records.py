@@ -164,7 +164,8 @@ class Replay:
 
 @dataclass(frozen=True)
 class Gradcheck:
-    """A custom Function's backward checked numerically in float64 on the inputs it was called with.
+    """A custom Function's backward checked numerically in float64 on the inputs it was called with (at float32's
+    precision where the Function computes in float32 inside).
 
     Attributes:
         passed: False if PyTorch's fast-mode ``gradcheck`` or gradtrace's own directional check
