@@ -12,6 +12,9 @@ tensors), and fails if either fails:
   random ``u`` (signed ``w`` and ``u``), which must agree to ``RTOL`` beyond what
   float64 rounding in the central difference explains. Their relative difference is
   the ``mismatch`` reported.
+
+A Function that casts its inputs down and computes in float32 is checked by the second
+alone, at float32's precision (:func:`_inner_dtype`); in bfloat16 or float16, not at all.
 """
 
 from __future__ import annotations
