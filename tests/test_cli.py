@@ -762,6 +762,26 @@ def test_a_bad_input_spec_is_reported_before_the_model_file_runs(runner, tmp_pat
     assert invoke(runner, "run", str(model), "-i", "float32[2,3]").exit_code == 0 and marker.exists()
 
 
+def test_a_run_puts_back_only_the_modes_that_changed():
+    """Putting back torch's deterministic mode imports torch._inductor's config and torch._dynamo (about a second
+    on every run): a model that leaves the modes alone costs none of that."""
+    code = (
+        "import sys\n"
+        "import torch\n"
+        "before = set(sys.modules)\n"
+        f"sys.argv = ['gradtrace', 'run', {str(SAMPLES / 'mlp.py')!r}]\n"
+        "from tracer_cli.cli import main\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "print(sorted(m for m in set(sys.modules) - before if m.startswith(('torch._inductor', 'torch._dynamo'))))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
 def test_a_model_file_that_changes_folder_or_torch_modes_does_not_move_the_rest(runner, tmp_path, monkeypatch):
     """``os.chdir`` to the file's own folder (a common idiom) and torch's global modes set at import are put
     back after each target: later targets, --json and --junit-xml are found where they were given."""

@@ -896,9 +896,14 @@ def _process_state_kept() -> Iterator[None]:
         os._exit = real_exit
         if folder is not None:
             os.chdir(folder)
-        torch.set_default_dtype(dtype)
-        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
-        torch.set_anomaly_enabled(*anomaly)
+        # each put back only where it changed: use_deterministic_algorithms imports torch._inductor's config
+        # (and torch._dynamo with it), about a second, where nothing else of a run needs them
+        if torch.get_default_dtype() != dtype:
+            torch.set_default_dtype(dtype)
+        if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != deterministic:
+            torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        if (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) != anomaly:
+            torch.set_anomaly_enabled(*anomaly)
 
 
 @contextlib.contextmanager
