@@ -121,6 +121,40 @@ def test_graph_view_keeps_a_residual_stream_on_one_level(blocks):
     assert below and below <= set(shown)
 
 
+def _post_norm_stack(blocks: int) -> Trace:
+    """Blocks that norm after the residual add (post-LN, as BERT's): the stream passes a LayerNorm, whose weight
+    and bias leaves end there."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+            self.norm = torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(x + self.fc(x))
+
+    torch.manual_seed(0)
+    return trace(torch.nn.Sequential(*[Block() for _ in range(blocks)]), torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("blocks", [2, 12])
+def test_graph_view_keeps_a_stream_through_layer_norms_on_one_level(blocks):
+    """A LayerNorm on the stream sends on the stream's gradient and two to its leaves: the leaves are lines of
+    the chain, which goes on at its level (each post-LN block indented the rest once more: 12 BERT layers
+    took 28 levels)."""
+    import re
+
+    result = _post_norm_stack(blocks)
+    text = render_text(result, TreeOptions(view="graph", max_nodes=None))
+    lines = [line for line in text.splitlines() if re.search(r"[├└]── ", line)]
+    shown = [int(m.group(1)) for line in lines if (m := re.search(r"[├└]── #(\d+) ", line))]
+    assert sorted(shown) == list(range(len(result.nodes)))  # every node once
+    norms = [line for line in lines if re.search(r"[├└]── #\d+ NativeLayerNormBackward0 ", line)]
+    assert len(norms) == blocks and len({line.index("#") for line in norms}) == 1  # the stream: one column
+    assert _graph_depth(result) == _graph_depth(_post_norm_stack(2))
+
+
 def test_graph_view_depth_keeps_the_residual_stream():
     """--depth cuts inside the blocks; the stream's adds, drawn at the top level, are all still shown."""
     import re

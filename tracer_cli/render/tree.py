@@ -436,7 +436,24 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
                 fresh = [c for c in kids if c not in visited and c not in waiting]
                 later = [c for c in fresh if shown_parents[c] < parents[c]]
                 ready = [c for c in fresh if shown_parents[c] >= parents[c]]
-                if len(ready) == 1 and not later:  # a straight chain stays on one level
+                # a straight chain stays on one level, also past nodes whose other children end there (a
+                # LayerNorm's weight and bias leaves: each on a line of the chain, which then goes on), so that
+                # a residual stream through a LayerNorm (post-LN, as BERT's) does not indent once per layer
+                going = [c for c in ready if any(child is not None for child in nodes[c].next)]
+                if len(going) == 1 and not later:
+                    for end in ready:
+                        if end != going[0]:
+                            show(end)
+                            branch_of[end] = branch
+                            if budget.take():
+                                branch.add(node_line(nodes[end], styler, show_module=True))
+                    current = going[0]
+                    show(current)
+                    branch_of[current] = branch
+                    if budget.take():
+                        branch.add(node_line(nodes[current], styler, show_module=True))
+                    continue
+                if len(ready) == 1 and not later:
                     current = ready[0]
                     show(current)
                     branch_of[current] = branch
