@@ -130,6 +130,21 @@ def test_large_gradients_norms_are_accurate(device):
     assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(expected, rel=1e-5, abs=0)
 
 
+def test_very_large_gradients_norms_are_accurate_where_one_float32_sum_is_not():
+    """Past a few million elements a single float32 dot product loses digits (an embedding's gradient, a few
+    large rows among many small ones: 1e-4 relative on 8M elements); the sums by chunks stay near float64's."""
+    torch.manual_seed(0)
+    x = torch.randn(1 << 23) * 1e-3
+    x[: 1 << 16] *= 100
+    expected = float((3 * x.double()).norm())
+    one_sum = math.sqrt(float(torch.dot(3 * x, 3 * x)))
+    assert abs(one_sum - expected) / expected > 2e-5  # what a single float32 sum gives here
+    result = trace(lambda w: (w * 1.0).square().sum() / 2, (x * 3,), input_grad=True, forward_stats=True)
+    assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(expected, rel=1e-5, abs=0)  # the gradient: w
+    (mul,) = result.find("MulBackward0")
+    assert mul.forward.norm == pytest.approx(expected, rel=1e-5, abs=0)  # a forward value: w * 1.0
+
+
 def _heads(x):
     """Large gradients laid out as permutations of contiguous blocks (attention heads moved, as in a
     transformer), next to large ones that fill no block: expanded, and column slices with gaps."""
