@@ -440,25 +440,13 @@ def _graph_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _Bu
                 # LayerNorm's weight and bias leaves: each on a line of the chain, which then goes on), so that
                 # a residual stream through a LayerNorm (post-LN, as BERT's) does not indent once per layer
                 going = [c for c in ready if any(child is not None for child in nodes[c].next)]
-                if len(going) == 1 and not later:
-                    for end in ready:
-                        if end != going[0]:
-                            show(end)
-                            branch_of[end] = branch
-                            if budget.take():
-                                branch.add(node_line(nodes[end], styler, show_module=True))
-                    current = going[0]
-                    show(current)
-                    branch_of[current] = branch
-                    if budget.take():
-                        branch.add(node_line(nodes[current], styler, show_module=True))
-                    continue
-                if len(ready) == 1 and not later:
-                    current = ready[0]
-                    show(current)
-                    branch_of[current] = branch
-                    if budget.take():
-                        branch.add(node_line(nodes[current], styler, show_module=True))
+                if not later and (len(ready) == 1 or len(going) == 1):
+                    following = ready[0] if len(ready) == 1 else going[0]
+                    for current in [c for c in ready if c != following] + [following]:  # the ends, then the chain
+                        show(current)
+                        branch_of[current] = branch
+                        if budget.take():
+                            branch.add(node_line(nodes[current], styler, show_module=True))
                     continue
                 waiting.update(later)
                 pending.extend((branch, child, depth, True) for child in reversed(later))  # after the branches
