@@ -775,6 +775,11 @@ def test_gradcheck_judges_a_function_that_computes_in_float32_inside(size):
         assert check.passed is verdict, (factor, check)
     tanh = _computing_in(torch.float32, "Tanh32", torch.tanh, lambda x: 1 - torch.tanh(x) ** 2)
     assert _gradcheck_of(tanh, x).passed is True
+    # small inputs (a weight's, a scale's), sharp curvature, a fast sine at large inputs: right ones pass
+    reciprocal = _computing_in(torch.float32, "Recip32", torch.reciprocal, lambda x: -1 / (x * x))
+    assert _gradcheck_of(reciprocal, 0.01 + 0.01 * torch.rand(*size)).passed is True
+    sine = _computing_in(torch.float32, "Sin32", lambda x: torch.sin(10 * x), lambda x: 10 * torch.cos(10 * x))
+    assert _gradcheck_of(sine, 3 * x).passed is True
     for scale in (3.0, 30.0):  # saturated: a derivative float32's rounding may hide (no verdict), never a failure
         saturated = _gradcheck_of(tanh, scale * x)
         assert saturated.passed is not False, (scale, saturated)
@@ -791,16 +796,17 @@ def test_gradcheck_gives_no_verdict_on_a_function_that_computes_in_16_bits():
 
 
 def test_gradcheck_of_a_rounding_or_constant_function_is_not_taken_for_low_precision():
-    """Whole-number or constant outputs are exactly float32's (bf16's) values too: not a sign of a narrow
-    computation. A straight-through estimator (round forward, identity backward) is checked as before, and its
-    backward, which is not round's derivative, fails."""
+    """Outputs on a coarse grid (whole numbers, a fake quantizer's sixteenths) or constant are exactly float32's
+    (bf16's) values too: not a sign of a narrow computation. A straight-through estimator (round forward,
+    identity backward) is checked as before, and its backward, which is not round's derivative, fails."""
     from tracer_cli.gradcheck import _inner_dtype
 
     torch.manual_seed(0)
     x = 5 * torch.randn(32, 64)
-    straight_through = _elementwise_function("StraightThrough", torch.round, torch.ones_like)
-    check = _gradcheck_of(straight_through, x)
-    assert check.passed is False and "computes in" not in (check.error or "")
+    for name, quantize in (("StraightThrough", torch.round), ("FakeQuant", lambda x: torch.round(x * 16) / 16)):
+        straight_through = _elementwise_function(name, quantize, torch.ones_like)
+        check = _gradcheck_of(straight_through, x)
+        assert check.passed is False and "computes in" not in (check.error or ""), (name, check)
     wide = x.double().requires_grad_()
     assert _inner_dtype(lambda t: (torch.full_like(t, 0.5),), [wide]) is torch.float64
     assert _inner_dtype(lambda t: (t.float().exp().double(),), [wide]) is torch.float32

@@ -34,15 +34,16 @@ _STEP = 1e-8  # the central difference's step, times a standard normal direction
 RTOL = 1e-3  # PyTorch gradcheck's own relative tolerance
 _ROUNDING = 10 * 2.0**-52  # float64 rounding of each output value, with a margin
 # A Function that computes in float32 inside (it casts its float64 inputs down) gives outputs that a step of
-# _STEP does not move beyond float32's rounding: its central difference is taken with this step, and it is
-# checked by the directional derivative alone (PyTorch's check takes steps of 1e-6). Its rounding is float32's,
-# a few units in the last place per output value, summed as the random signs of the weights sum them (the
-# square root of the sum of squares, ten times over) rather than all in one direction: that would hide
-# errors of a few percent on a few thousand outputs.
+# _STEP does not move beyond float32's rounding: its central difference is taken with steps of this share of
+# each input (relative: inputs of 0.01, a weight's, would bend the difference by the function's curvature),
+# and it is checked by the directional derivative alone (PyTorch's check takes absolute steps of 1e-6). Its
+# rounding is float32's, a few units in the last place per output value, summed as the random signs of the
+# weights sum them (the square root of the sum of squares, six times over) rather than all in one direction:
+# that would hide errors of a few percent on a few thousand outputs.
 _STEP_FLOAT32 = 1e-3
-_ROUNDING_FLOAT32 = 4 * 2.0**-24
-_ROUNDING_SPREAD = 10.0
-_NOISE_FLOAT32 = 0.1  # no verdict where that rounding is more than this share of the directional derivative
+_ROUNDING_FLOAT32 = 2 * 2.0**-24
+_ROUNDING_SPREAD = 6.0
+_NOISE_FLOAT32 = 0.02  # no verdict where that rounding is more than this share of the directional derivative
 
 
 # Function.apply is one attribute for the whole process: while any thread records, it is _apply, which hands
@@ -156,8 +157,21 @@ def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck | None:
                 name = str(inside).removeprefix("torch.")
                 return Gradcheck(None, None, f"computes in {name} inside, too coarse for a numerical derivative")
             if inside is torch.float32:
-                passed = True
-                mismatch, agree, noise = _directional_mismatch(function, inputs, _STEP_FLOAT32, _ROUNDING_FLOAT32, random=True)
+
+                def at(step: float) -> tuple[float, bool | None, float]:
+                    torch.manual_seed(0)  # the same directions and weights at every step
+                    return _directional_mismatch(function, inputs, step, _ROUNDING_FLOAT32, narrow=True)
+
+                passed, step = True, _STEP_FLOAT32
+                mismatch, agree, noise = at(step)
+                while agree is False and step > _STEP_FLOAT32 / 64:
+                    # a curvature's share of the difference shrinks with the step squared, a wrong backward's
+                    # not at all: a smaller step before failing (a sine of 10x at inputs of 3 needs one)
+                    step /= 4
+                    smaller = at(step)
+                    if smaller[2] > _NOISE_FLOAT32 or smaller[0] > mismatch / 2:  # rounding takes over, or it stands
+                        break
+                    mismatch, agree, noise = smaller
                 if noise > _NOISE_FLOAT32 and agree is not None:
                     return Gradcheck(None, mismatch, "computes in float32 inside, whose rounding hides the derivative at these inputs")
             else:
@@ -177,8 +191,8 @@ def _inner_dtype(function: Any, inputs: list[Any]) -> Any:
     """The dtype the Function computes in: float64, or a narrower one it casts its inputs down to, known by
     outputs that are all exactly that dtype's values at inputs nudged off float32's (a float64 computation
     of them almost never is) but that move with a larger nudge. float64 where no output tells: none that
-    is real and float64, none but zeros and non-finite values, whole numbers only (a rounding Function's),
-    or outputs that a nudge of 1% does not move (a constant's)."""
+    is real and float64, none but zeros and non-finite values, values on a coarse grid only (a rounding or
+    quantizing Function's), or outputs that a nudge of 1% does not move (a constant's)."""
     import torch
 
     def outputs(relative: float) -> list[Any]:
@@ -191,7 +205,13 @@ def _inner_dtype(function: Any, inputs: list[Any]) -> Any:
 
     near = outputs(1e-9)
     values = [v for v in (o[o.isfinite() & (o != 0)] for o in near) if v.numel()]
-    if not values or all(torch.equal(v.round(), v) for v in values):
+    if not values:
+        return torch.float64
+    # values on a coarse grid, multiples of a power of two within a quarter of the smallest (whole numbers, a
+    # fake quantizer's round(x * 16) / 16): what the Function computes, not a narrow dtype's rounding
+    smallest = min(float(v.abs().min()) for v in values)
+    grid = 2.0 ** (math.floor(math.log2(smallest)) - 2)
+    if all(torch.equal((v / grid).round(), v / grid) for v in values):
         return torch.float64
     narrow = next(
         (d for d in (torch.bfloat16, torch.float16, torch.float32) if all(torch.equal(v.to(d).to(torch.float64), v) for v in values)),
@@ -203,7 +223,7 @@ def _inner_dtype(function: Any, inputs: list[Any]) -> Any:
 
 
 def _directional_mismatch(
-    function: Any, inputs: list[Any], step: float = _STEP, rounding_unit: float = _ROUNDING, random: bool = False
+    function: Any, inputs: list[Any], step: float = _STEP, rounding_unit: float = _ROUNDING, narrow: bool = False
 ) -> tuple[float, bool | None, float]:
     """Compare the analytical and the numerical derivative of ``<w, f(x)>`` along a random direction.
 
@@ -220,8 +240,8 @@ def _directional_mismatch(
 
     The step is small (``_STEP``) so that few elements straddle a kink; the analytical derivative is
     taken along the displacement actually made (``x + h`` is rounded). A Function that computes in float32
-    inside is checked with a larger ``step`` and float32's ``rounding_unit``, its rounding summed as ``random``
-    errors (``_ROUNDING_SPREAD`` times the root of the sum of their squares).
+    inside is checked (``narrow``) with a larger ``step``, relative to each input, and float32's ``rounding_unit``,
+    its rounding summed as random errors (``_ROUNDING_SPREAD`` times the root of the sum of their squares).
     """
     import torch
 
@@ -233,6 +253,8 @@ def _directional_mismatch(
     grads = torch.autograd.grad(outputs, differentiable, weights, allow_unused=True)
     here = [o.detach() for o in outputs]
     direction = [torch.randn_like(x) for x in differentiable]
+    if narrow:  # relative to each element and to the typical one (an element at 0 moves too)
+        direction = [d * (x.detach().abs() + float(x.detach().abs().mean()) + 1e-30) for d, x in zip(direction, differentiable)]
 
     def dot(pairs: Any) -> float:
         """The real inner product: of complex tensors, that of their real and imaginary parts (PyTorch's
@@ -256,7 +278,7 @@ def _directional_mismatch(
             numerical_ahead = dot((w, p - o) for w, p, o in zip(weights, plus, here))
             numerical_behind = dot((w, o - m) for w, o, m in zip(weights, here, minus))
             magnitudes = (w.abs() * (p.abs() + 2 * o.abs() + m.abs()) for w, p, o, m in zip(weights, plus, here, minus))
-            if random:
+            if narrow:
                 rounding = rounding_unit * _ROUNDING_SPREAD * math.sqrt(sum(float(t.square().sum()) for t in magnitudes))
             else:
                 rounding = rounding_unit * sum(float(t.sum()) for t in magnitudes)
