@@ -1230,7 +1230,7 @@ class _Stats:
         """A 1-d CPU tensor's sum of squares by BLAS dot products: one, or one per DOT_CHUNK elements added in
         float64 past CHUNKED_DOT_NUMEL (a single float32 dot over 38M elements of an embedding's gradient
         was 7e-4 off, by chunks 2e-6, for an eighth more time)."""
-        if flat.numel() <= CHUNKED_DOT_NUMEL:
+        if flat.numel() <= CHUNKED_DOT_NUMEL or flat.dtype is self._float64:  # (float64 holds the sum)
             return self._dot(flat, flat).item()
         dot = self._dot
         return self._torch.stack([dot(part, part) for part in flat.split(DOT_CHUNK)]).sum(dtype=self._float64).item()
