@@ -222,23 +222,36 @@ def test_forward_nan_made_inside_one_call_names_the_ops_not_seen_one_by_one():
     assert plain.unrecorded_note(plain.forward_nonfinite_origin()) == ""
 
 
-@pytest.mark.parametrize("weight, cast_named", [(5e3, False), (1e5, True)])
-def test_autocasts_of_weights_in_range_are_not_named_as_unseen_origins(weight, cast_named):
-    """Under autocast a Linear's weight and bias are cast to float16 inside F.linear's one call: the casts have no
-    forward values of their own. A cast of values whose norm float16 holds (8x8 of 5e3: 4e4) cannot have made
-    the infinity, so it is not named beside the Linear that overflowed; one of values float16 cannot hold (1e5)
-    may have, and is."""
+def _cpu_autocast_takes(dtype: torch.dtype) -> bool:
     try:
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=dtype):
             nn.functional.linear(torch.ones(1, 2), torch.ones(2, 2))
     except RuntimeError:  # torch before 2.2: CPU autocast in bfloat16 only
-        pytest.skip("this torch's CPU autocast has no float16")
+        return False
+    return True
+
+
+# (autocast dtype, the weights' value, whether their cast is named): float16 where this torch's CPU autocast has it,
+# else bfloat16, whose range is float32's (a weight of 5e36 fits it, 8x8 of 1e38 has a norm past it)
+_AUTOCAST_CASES = (
+    [(torch.float16, 5e3, False), (torch.float16, 1e5, True)]
+    if _cpu_autocast_takes(torch.float16)
+    else [(torch.bfloat16, 5e36, False), (torch.bfloat16, 1e38, True)]
+)
+
+
+@pytest.mark.parametrize("dtype, weight, cast_named", _AUTOCAST_CASES)
+def test_autocasts_of_weights_in_range_are_not_named_as_unseen_origins(dtype, weight, cast_named):
+    """Under autocast a Linear's weight and bias are cast to float16 (bfloat16) inside F.linear's one call: the casts
+    have no forward values of their own. A cast of values whose norm the dtype holds (8x8 of 5e3: 4e4) cannot
+    have made the infinity, so it is not named beside the Linear that overflowed; one of values it cannot hold
+    (1e5) may have, and is."""
     first, second = nn.Linear(8, 8), nn.Linear(8, 8)
     with torch.no_grad():
         first.weight.fill_(weight)
 
     def model(x):
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=dtype):
             return torch.softmax(second(first(x)), -1).float().sum()  # first's output overflows float16 either way
 
     result = trace(model, (torch.full((4, 8), 10.0),), forward_stats=True, input_grad=True)
