@@ -79,12 +79,25 @@ def test_module_view_cut_short_says_what_each_module_hides(limit):
     (footer,) = [int(n) for n in re.findall(r"… (\d+) more node lines not shown", text)]
     assert footer == len(result.nodes) - limit
     assert sum(hidden) == footer
-    # after the last node line, every module heading carries its count
-    after = lines[lines.index(shown[-1]) + 1 :]
+    # the nodes the summary names are drawn (their lines were set aside); after the last line of any other
+    # node, every module heading carries its count, but those of the modules the named nodes are in
+    summary = result.summary()
+    named = {summary["largest_grad"]["id"], summary["smallest_nonzero_grad"]["id"]}
+    drawn = [int(re.search(r"#(\d+) ", line).group(1)) for line in shown]
+    assert named <= set(drawn)
+    last_other = max(i for i, line in enumerate(lines) if line in shown and drawn[shown.index(line)] not in named)
+    after = lines[last_other + 1 :]
+    around = {
+        part
+        for node_id in named
+        for module in [result.nodes[node_id].module]
+        for part in (module.split(".") if module else [])
+    }
     headings = [line for line in after if re.search(r"[├└]── \S+ \(", line)]
-    assert headings and all("not shown" in line for line in headings)
+    assert headings and all("not shown" in line or line.split("── ")[1].split(" ")[0] in around for line in headings)
     tree_end = next(i for i, line in enumerate(after) if line.startswith("…"))
-    assert all("not shown" in line or not line.strip(" │├└─") for line in after[:tree_end])
+    entries = [line for line in after[:tree_end] if "── " in line]
+    assert all("not shown" in line or line in headings or line in shown for line in entries)
 
 
 def _residual_stack(blocks: int) -> Trace:
@@ -234,10 +247,10 @@ def test_graph_view_refers_to_a_folded_node_as_not_shown():
     assert all(where == "shown above" for n, where in referred.items() if n in drawn)
 
 
-@pytest.mark.parametrize("options", [TreeOptions(max_nodes=3), TreeOptions(view="graph", max_nodes=None, depth=0)])
+@pytest.mark.parametrize("options", [TreeOptions(view="graph", max_nodes=None, depth=0)])
 def test_lines_for_nodes_not_shown_say_where_the_nan_starts(options):
-    """Where the origin of a NaN is behind a line for nodes not shown (--max-nodes, --depth), that line says
-    so and counts the non-finite nodes it stands for."""
+    """Where the origin of a NaN is behind a line for nodes not shown (--depth in the graph view), that line
+    says so and counts the non-finite nodes it stands for (the module view draws it: the test below)."""
     import re
 
     result = sample_trace("nan_where")
@@ -249,6 +262,35 @@ def test_lines_for_nodes_not_shown_say_where_the_nan_starts(options):
     counted = sum(int(n) for n in re.findall(r", (\d+) non-finite", text))
     drawn_bad = len(re.findall(r"[├└]── #\d+ .*← nan", text))
     assert counted + drawn_bad == len(result.nonfinite_nodes())
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_module_view_cut_short_still_draws_where_the_nan_starts(limit):
+    """--max-nodes in the module view: the node where the NaN starts is drawn, in its module, however early the
+    lines run out; the other nodes the summary names follow while lines are left; every node is drawn or counted."""
+    import re
+
+    result = sample_trace("nan_where")
+    origin = result.nonfinite_origin()
+    text = render_text(result, TreeOptions(max_nodes=limit))
+    drawn = [int(n) for n in re.findall(r"[├└]── #(\d+) ", text)]
+    assert len(drawn) == limit and drawn.count(origin.id) == 1
+    assert re.search(rf"[├└]── #{origin.id} SqrtBackward0 .*← nan starts here", text)
+    summary = result.summary()
+    if limit >= 3:
+        assert {summary["largest_grad"]["id"], summary["smallest_nonzero_grad"]["id"]} <= set(drawn)
+    counted = sum(int(n) for n in re.findall(r"(\d+) (?:more )?nodes? not shown", text))
+    (footer,) = [int(n) for n in re.findall(r"… (\d+) more node lines not shown", text)]
+    assert counted == footer == len(result.nodes) - limit
+
+
+def test_module_view_cut_short_still_draws_a_marked_node():
+    """A node marked (where ranks or files diverge) is drawn with its mark, however early --max-nodes cuts."""
+    result = sample_trace("transformer")
+    last = max(result.nodes, key=lambda node: (node.module or "").count(".") * 1000 + node.id)  # deep, and late
+    text = render_text(result, TreeOptions(max_nodes=2, marks={last.id: "differs on rank 1"}))
+    (line,) = [line for line in text.splitlines() if f"── #{last.id} " in line]
+    assert "differs on rank 1" in line
 
 
 def test_a_node_with_a_thousand_gradients_is_one_short_line():

@@ -196,17 +196,27 @@ def _node_text(node: Node, styler: _Styler, *, show_module: bool) -> Text:
 
 
 class _Budget:
-    def __init__(self, limit: int | None):
+    """Node lines left to draw. Lines for the pinned nodes (:func:`_pinned`) are set aside first: they are drawn
+    wherever they come, so the rest runs out before them."""
+
+    def __init__(self, limit: int | None, pinned: Iterable[int] = ()):
         self.limit = limit
+        self.pinned = set(pinned)
+        self.reserved = len(self.pinned)
         self.shown = 0
         self.hidden = 0
 
     @property
     def spent(self) -> bool:
-        """No node line is left: what remains is counted, not drawn."""
-        return self.limit is not None and self.shown >= self.limit
+        """No node line is left but the pinned nodes': what remains is counted, not drawn."""
+        return self.limit is not None and self.shown + self.reserved >= self.limit
 
-    def take(self) -> bool:
+    def take(self, node_id: int | None = None) -> bool:
+        if node_id in self.pinned:
+            self.pinned.discard(node_id)
+            self.reserved -= 1
+            self.shown += 1
+            return True
         if self.spent:
             self.hidden += 1
             return False
@@ -266,12 +276,13 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
     def add_nodes(branch: Tree, nodes: list[Node]) -> None:
         hidden = []
         for node in nodes:
-            if budget.take():
+            if budget.take(node.id):
                 branch.add(node_line(node, styler, show_module=False))
             else:
                 hidden.append(node)
         if hidden:
-            text = Text(f"… {len(hidden)} more {_plural(len(hidden), 'node')} not shown", style="dim")
+            more = " more" if len(hidden) < len(nodes) else ""
+            text = Text(f"… {len(hidden)}{more} {_plural(len(hidden), 'node')} not shown", style="dim")
             branch.add(text.append_text(_hidden_marks(hidden, styler)))
 
     root = Tree(Text(trace.meta.target, style="bold"), guide_style="dim")
@@ -289,7 +300,7 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
         label = Text(path.rpartition(".")[2] if path else ROOT, style="bold blue")
         if kind:
             label.append(f" ({kind})", style="blue")
-        if budget.spent:  # one line for the whole module
+        if budget.spent and not holds_pinned(path):  # one line for the whole module
             hidden = count(path)
             budget.hidden += len(hidden)
             label.append(f"  {len(hidden)} {_plural(len(hidden), 'node')} not shown", style="dim")
@@ -304,24 +315,37 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
         add_nodes(branch, by_module.get(path, []))
         add_modules(branch, children.get(path, []))
 
+    pinned_paths: set[str | None] = set()  # the modules a pinned node is in, and theirs
+    for node in trace.nodes:
+        if node.id in budget.pinned:
+            module = node.module
+            while module is not None and module not in pinned_paths:
+                pinned_paths.add(module)
+                module = parent_of(module)
+
+    def holds_pinned(path: str) -> bool:
+        return path in pinned_paths
+
     def add_modules(branch: Tree, paths: list[str]) -> None:
-        """Each module; once the budget is spent, a line each for the first FOLDED_MODULES, then one for the rest."""
-        folded = 0
-        for index, path in enumerate(paths):
-            if budget.spent:
+        """Each module; once the budget is spent, a line each for the first FOLDED_MODULES, then one for the rest
+        (a module that holds a pinned node is shown, wherever it comes)."""
+        folded, rest = 0, []
+        for path in paths:
+            if budget.spent and not holds_pinned(path):
                 if folded == FOLDED_MODULES:
-                    rest = paths[index:]
-                    hidden = [node for other in rest for node in count(other)]
-                    budget.hidden += len(hidden)
-                    text = Text(
-                        f"… {len(rest)} more {_plural(len(rest), 'module')}, {len(hidden)} "
-                        f"{_plural(len(hidden), 'node')} not shown",
-                        style="dim",
-                    )
-                    branch.add(text.append_text(_hidden_marks(hidden, styler)))
-                    return
+                    rest.append(path)
+                    continue
                 folded += 1
             add_module(branch, path)
+        if rest:
+            hidden = [node for other in rest for node in count(other)]
+            budget.hidden += len(hidden)
+            text = Text(
+                f"… {len(rest)} more {_plural(len(rest), 'module')}, {len(hidden)} "
+                f"{_plural(len(hidden), 'node')} not shown",
+                style="dim",
+            )
+            branch.add(text.append_text(_hidden_marks(hidden, styler)))
 
     add_modules(root, [""] if "" in paths else children.get(None, []))
     return root
@@ -495,9 +519,25 @@ def render_tree(trace: Trace, options: TreeOptions | None = None) -> tuple[Tree,
         raise ValueError(f"unknown view {options.view!r}; expected one of {', '.join(VIEWS)}")
     styler = _Styler(trace, options.marks)
     styler.show_stack = options.show_stack
-    budget = _Budget(options.max_nodes)
-    build = _module_tree if options.view == "modules" else _graph_tree
+    modules = options.view == "modules"
+    budget = _Budget(options.max_nodes, _pinned(trace, options) if modules and options.max_nodes is not None else ())
+    build = _module_tree if modules else _graph_tree
     return build(trace, options, styler, budget), budget.hidden
+
+
+def _pinned(trace: Trace, options: TreeOptions) -> list[int]:
+    """The nodes the module view shows however many lines the others take (at most ``max_nodes`` of them, in
+    this order): where a NaN or infinity starts, the marked ones (a divergence), failed checks, and the nodes
+    the summary names for the largest and the smallest gradient, among those ``--filter`` keeps."""
+    summary = trace.summary()
+    wanted = [entry["id"] for entry in (summary["first_nonfinite"], summary["first_nonfinite_forward"]) if entry]
+    wanted += sorted(options.marks)
+    wanted += [n.id for n in trace.nodes if n.gradcheck is not None and n.gradcheck.passed is False]
+    wanted += [n.id for n in trace.nodes if n.replay is not None and n.replay.reproducible is False]
+    wanted += [entry["id"] for entry in (summary["largest_grad"], summary["smallest_nonzero_grad"]) if entry]
+    matches = _matcher(options.pattern)
+    kept = [node_id for node_id in dict.fromkeys(wanted) if 0 <= node_id < len(trace.nodes) and matches(trace.nodes[node_id])]
+    return kept[: options.max_nodes]
 
 
 def render_summary(trace: Trace) -> Table:
