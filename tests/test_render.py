@@ -359,3 +359,16 @@ def test_a_loss_whose_value_could_not_be_read_shows_as_unknown():
     text = render_text(result.with_meta(loss=None), TreeOptions())
     (line,) = [line for line in text.splitlines() if line.startswith("loss")]
     assert line.split()[1] == "?"
+
+
+def test_summary_is_a_fresh_copy_each_time():
+    """The summary is derived once per trace (the tree and the summary table both read it); a caller that changes
+    what ``summary()`` returned changes neither the next call's nor the tree's."""
+    result = sample_trace("nan_where")
+    before = render_text(result, TreeOptions())
+    first = result.summary()
+    expected = json.loads(json.dumps(first))
+    first["largest_grad"]["id"] = -1
+    first["nonfinite"].clear()
+    assert result.summary() == expected
+    assert render_text(result, TreeOptions()) == before

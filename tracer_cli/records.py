@@ -17,6 +17,7 @@ than a frozen dataclass.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass, field, replace
@@ -665,6 +666,12 @@ class Trace:
 
     def summary(self) -> dict[str, Any]:
         """The JSON ``summary`` block, derived from the nodes."""
+        return copy.deepcopy(self._summary)
+
+    @functools.cached_property
+    def _summary(self) -> dict[str, Any]:
+        """:meth:`summary`, derived once (a pass over every statistic: 0.6 s on 100k nodes), read by the tree and the
+        summary table alike; not to be changed."""
         executed = self.executed()
         origin = self.nonfinite_origin()
         made = self.forward_nonfinite_origin()

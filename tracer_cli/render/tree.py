@@ -529,7 +529,7 @@ def _pinned(trace: Trace, options: TreeOptions) -> list[int]:
     """The nodes the module view shows however many lines the others take (at most ``max_nodes`` of them, in
     this order): where a NaN or infinity starts, the marked ones (a divergence), failed checks, and the nodes
     the summary names for the largest and the smallest gradient, among those ``--filter`` keeps."""
-    summary = trace.summary()
+    summary = trace._summary
     wanted = [entry["id"] for entry in (summary["first_nonfinite"], summary["first_nonfinite_forward"]) if entry]
     wanted += sorted(options.marks)
     wanted += [n.id for n in trace.nodes if n.gradcheck is not None and n.gradcheck.passed is False]
@@ -542,7 +542,7 @@ def _pinned(trace: Trace, options: TreeOptions) -> list[int]:
 
 def render_summary(trace: Trace) -> Table:
     """The summary block: counts, loss, inputs, non-finite nodes, extremes, parameters without gradient, times."""
-    summary = trace.summary()
+    summary = trace._summary
     meta = trace.meta
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
