@@ -166,11 +166,30 @@ def test_min_threshold_from_pyproject(runner, project):
 
 
 def test_fail_on_and_warn_on_from_pyproject(runner, project):
+    """A check named on the command line replaces what the config says of it, and of it alone: adding one in a CI
+    step does not switch off the project's others."""
     write_config(project, 'fail-on = ["zero"]\n')
     assert invoke(runner, "check", sample("zero_gate")).exit_code == 1
-    assert invoke(runner, "check", sample("zero_gate"), "--fail-on", "nonfinite").exit_code == 0  # the option replaces it
+    assert invoke(runner, "check", sample("zero_gate"), "--fail-on", "nonfinite").exit_code == 1  # zero still fails
+    assert invoke(runner, "check", sample("zero_gate"), "--warn-on", "zero").exit_code == 0  # named: it warns
     write_config(project, 'warn-on = "nograd"\n')
     assert invoke(runner, "check", sample("forgotten_layer")).exit_code == 0
+    assert invoke(runner, "check", sample("forgotten_layer"), "--warn-on", "zero").exit_code == 0  # nograd still warns
+    assert invoke(runner, "check", sample("forgotten_layer"), "--fail-on", "nograd").exit_code == 1
+    write_config(project, 'fail-on = ["zero"]\nwarn-on = ["nograd"]\n')
+    assert invoke(runner, "check", sample("forgotten_layer"), "--fail-on", "norm", "--max-grad-norm", "1e9").exit_code == 0
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_fail_on_and_warn_on_repeat_and_add_up(runner, project, command):
+    """``--fail-on zero --fail-on nograd`` is ``--fail-on zero,nograd``, in either order (the last one alone
+    was kept: a gate dropped without a word)."""
+    for options in (["zero", "nograd"], ["nograd", "zero"], ["zero,nograd"]):
+        args = [part for check in options for part in ("--fail-on", check)]
+        result = invoke(runner, command, sample("zero_gate"), *args)
+        assert result.exit_code == 1, (options, result.stdout)
+    result = invoke(runner, command, sample("zero_gate"), "--fail-on", "zero", "--warn-on", "nograd", "--warn-on", "zero")
+    assert result.exit_code == 2 and "zero named in both --fail-on and --warn-on" in result.stderr
 
 
 def test_thresholds_from_pyproject_apply_to_run(runner, project):

@@ -220,6 +220,46 @@ def test_fixture_inside_pytest_with_pyproject_thresholds(suite):
     result.stdout.fnmatch_lines(["*FAIL: * failing finding* (norm)*", "*above --max-grad-norm 1e-06*"])
 
 
+def test_fixture_keywords_override_the_config_check_by_check(suite):
+    """``warn_on="nonfinite"`` over a config's ``fail-on``/``warn-on`` lists changes nonfinite alone (it raised a
+    ValueError for a check named in both); a config's ``divergence``, meant for torchrun jobs, is left out of a
+    test's single process (every test using the fixture raised a ValueError)."""
+    suite.makepyprojecttoml('[tool.gradtrace]\nfail-on = ["zero", "divergence"]\nwarn-on = ["nonfinite"]\n')
+    suite.makepyfile(
+        test_override=textwrap.dedent(
+            """
+            import pytest
+
+            from models import healthy, masked
+
+
+            def test_healthy(gradtrace):
+                model, x = healthy()
+                gradtrace.assert_healthy(model, (x,))
+
+
+            def test_config_demotes_nonfinite(gradtrace):
+                model, x = masked()
+                gradtrace.assert_healthy(model, (x,))
+
+
+            def test_promoted_here(gradtrace):
+                model, x = masked()
+                with pytest.raises(AssertionError, match="nonfinite"):
+                    gradtrace.assert_healthy(model, (x,), fail_on="nonfinite")
+
+
+            def test_zero_still_fails_from_config(gradtrace):
+                model, x = healthy()
+                with model[0].weight.register_hook(lambda g: g * 0), pytest.raises(AssertionError, match="zero"):
+                    gradtrace.assert_healthy(model, (x,), warn_on="nograd")
+            """
+        )
+    )
+    result = suite.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4)
+
+
 def test_fixture_reports_a_bad_config(suite):
     suite.makepyprojecttoml("[tool.gradtrace]\nmax_grad_norm = 1.0\n")
     suite.makepyfile(test_cfg="def test_uses(gradtrace):\n    pass\n")

@@ -225,13 +225,13 @@ _CHECK_NAMES = "nonfinite (NaN/Inf gradients), nograd (parameters without gradie
     "gradients), norm (outside --max-grad-norm/--min-grad-norm), divergence (ranks disagree), gradcheck (a custom " \
     "Function failed --gradcheck), replay (a backward not reproducible under --replay)"
 _FAIL_ON = typer.Option(
-    None, "--fail-on", metavar="CHECKS", help=f"Exit 1 when any of these is found (comma list): {_CHECK_NAMES}. "
+    None, "--fail-on", metavar="CHECKS", help=f"Exit 1 when any of these is found (comma list; repeatable): {_CHECK_NAMES}. "
     "Added to the checks that fail anyway (check: nonfinite, nograd, gradcheck; run and check: norm when a "
     "threshold is set).",
     show_default=False,
 )
 _WARN_ON = typer.Option(
-    None, "--warn-on", metavar="CHECKS", help="Only warn about these checks (comma list), even where they would "
+    None, "--warn-on", metavar="CHECKS", help="Only warn about these checks (comma list; repeatable), even where they would "
     "fail, e.g. nograd for a model with a parameter it does not use on purpose.", show_default=False,
 )
 _MAX_GRAD_NORM = typer.Option(
@@ -330,8 +330,8 @@ def run(
     depth: Optional[int] = _DEPTH,
     pattern: Optional[str] = _FILTER,
     show_all: bool = _ALL,
-    fail_on: Optional[str] = _FAIL_ON,
-    warn_on: Optional[str] = _WARN_ON,
+    fail_on: Optional[List[str]] = _FAIL_ON,
+    warn_on: Optional[List[str]] = _WARN_ON,
     max_grad_norm: Optional[float] = _MAX_GRAD_NORM,
     min_grad_norm: Optional[float] = _MIN_GRAD_NORM,
     nproc_per_node: Optional[int] = _NPROC_PER_NODE,
@@ -385,8 +385,8 @@ def check(
     eval_mode: bool = _EVAL,
     no_input_grad: bool = _NO_INPUT_GRAD,
     loss: LossReduction = _LOSS,
-    fail_on: Optional[str] = _FAIL_ON,
-    warn_on: Optional[str] = _WARN_ON,
+    fail_on: Optional[List[str]] = _FAIL_ON,
+    warn_on: Optional[List[str]] = _WARN_ON,
     max_grad_norm: Optional[float] = _MAX_GRAD_NORM,
     min_grad_norm: Optional[float] = _MIN_GRAD_NORM,
     junit_xml: Optional[str] = typer.Option(
@@ -468,6 +468,9 @@ def _execute(ctx: typer.Context) -> int:
     return _run_single(options)
 
 
+_CHECK_LISTS = (("fail_on", "fail-on"), ("warn_on", "warn-on"))  # parameter, and the option's (and config key's) name
+
+
 def _options(ctx: typer.Context) -> _Options:
     """Validate the command's parameters, with ``[tool.gradtrace]`` defaults for those not given."""
     import re
@@ -499,24 +502,22 @@ def _options(ctx: typer.Context) -> _Options:
             re.compile(pattern)
         except re.error as exc:
             raise UsageError(f"invalid --filter regular expression {pattern!r}: {exc}") from exc
-    try:
-        fail_on = parse_fail_on(params["fail_on"])
-        warn_on = parse_fail_on(params["warn_on"], option="--warn-on")
+    given = _given(ctx)
+    try:  # --fail-on and --warn-on are comma lists, and repeats add up
+        command_line = {key: parse_fail_on(",".join(ctx.params[key] or ()), option=f"--{option}") for key, option in _CHECK_LISTS}
+        configured = {key: parse_fail_on(config.values.get(option), option=option) for key, option in _CHECK_LISTS}
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    given = _given(ctx)
-    both = [check for check in fail_on if check in warn_on]
-    if both:  # the command line's choice replaces the config's; within one of them, it is a contradiction
-        if ("fail_on" in given) == ("warn_on" in given):
-            where = "--fail-on and --warn-on" if "fail_on" in given else "fail-on and warn-on in [tool.gradtrace]"
+    for lists, where in ((command_line, "--fail-on and --warn-on"), (configured, "fail-on and warn-on in [tool.gradtrace]")):
+        both = [check for check in lists["fail_on"] if check in lists["warn_on"]]
+        if both:
             raise UsageError(f"{', '.join(both)} named in both {where}", hint="name each check in one of them")
-        if "fail_on" in given:
-            warn_on = tuple(check for check in warn_on if check not in both)
-        else:
-            fail_on = tuple(check for check in fail_on if check not in both)
+    # a check named on the command line replaces what the config says of it; the config's others stay
+    named_here = {*command_line["fail_on"], *command_line["warn_on"]}
+    configured = {key: tuple(check for check in checks if check not in named_here) for key, checks in configured.items()}
+    fail_on, warn_on = (tuple(dict.fromkeys(configured[key] + command_line[key])) for key, _ in _CHECK_LISTS)
     # asked for on the command line of one process, it would check nothing (a config shared with torchrun jobs may)
-    divergence_options = [option for option, key, checks in (("--fail-on", "fail_on", fail_on), ("--warn-on", "warn_on", warn_on))
-                          if key in given and "divergence" in checks]
+    divergence_options = [f"--{option}" for key, option in _CHECK_LISTS if "divergence" in command_line[key]]
     if divergence_options and ctx.params.get("nproc_per_node") is None and rank_info() is None:
         raise UsageError(
             f"{divergence_options[0]} divergence compares ranks: it needs torchrun (or --nproc-per-node N)",
@@ -530,7 +531,9 @@ def _options(ctx: typer.Context) -> _Options:
 
     thresholds = Thresholds(params["max_grad_norm"], params["min_grad_norm"])
     asked_for = [check for check in ("gradcheck", "replay") if params.get(check, False)]
-    for option, checks in ((named("fail_on", "--fail-on"), fail_on), (named("warn_on", "--warn-on"), warn_on)):
+    named_checks = [(f"--{option}", command_line[key]) for key, option in _CHECK_LISTS]
+    named_checks += [(f"{option} in [tool.gradtrace]", configured[key]) for key, option in _CHECK_LISTS]
+    for option, checks in named_checks:
         unmet = unmet_requirement(checks, thresholds, asked_for)  # checks that would find nothing, silently
         if unmet == "norm":
             raise UsageError(

@@ -4,7 +4,8 @@
         gradtrace.assert_healthy(build_model(), (torch.randn(8, 16),))
 
 The fixture applies the thresholds and check lists of ``[tool.gradtrace]`` in the pyproject.toml nearest
-to pytest's root folder; keyword arguments override them. pytest loads this module in every run of
+to pytest's root folder (less ``divergence``, which compares torchrun ranks); keyword arguments override them,
+a check named in ``fail_on`` or ``warn_on`` what the config says of that check alone. pytest loads this module in every run of
 every project that installs gradtrace, so it imports neither torch nor the tracer until a test uses
 the fixture.
 """
@@ -41,9 +42,19 @@ class GradientChecker:
     ) -> Any:
         """:func:`tracer_cli.testing.assert_gradients_healthy` with the project's defaults; returns the Trace."""
         __tracebackhide__ = True
+        from .checks import parse_fail_on
         from .testing import assert_gradients_healthy
 
-        return assert_gradients_healthy(model, args, kwargs, **{**self.defaults, **options})
+        merged = {**self.defaults, **options}
+        lists = ("fail_on", "warn_on")
+        if any(key in options for key in lists) and any(key in self.defaults for key in lists):
+            # a check named here replaces what the config says of it, and of it alone (as on the command line)
+            given = {key: parse_fail_on(options.get(key), option=key) for key in lists}
+            named = {*given["fail_on"], *given["warn_on"]}
+            for key in lists:
+                kept = [check for check in parse_fail_on(self.defaults.get(key), option=key) if check not in named]
+                merged[key] = tuple(dict.fromkeys(kept + list(given[key])))
+        return assert_gradients_healthy(model, args, kwargs, **merged)
 
     __call__ = assert_healthy
 
@@ -67,4 +78,7 @@ def gradtrace(request: pytest.FixtureRequest) -> GradientChecker:
     except GradtraceError as exc:
         pytest.fail(f"gradtrace: {exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else ""), pytrace=False)
     defaults = {keyword: config.values[key] for key, keyword in _CONFIG_KEYWORDS.items() if key in config.values}
+    for keyword in ("fail_on", "warn_on"):  # divergence compares torchrun ranks: a test traces one process
+        if keyword in defaults:
+            defaults[keyword] = ",".join(check for check in defaults[keyword].split(",") if check != "divergence")
     return GradientChecker(defaults)
