@@ -129,6 +129,18 @@ def test_json_to_stdout_stays_alone_when_the_model_prints(tmp_path):
     assert "in forward" in result.stdout and "straight to fd 1" in result.stdout  # without --json -: as printed
 
 
+@pytest.mark.parametrize("closed", [1, 2])
+def test_a_closed_stdout_or_stderr_is_no_internal_error(tmp_path, closed):
+    """``gradtrace run model.py ... >&-`` (a CI step that closes stdout): the exit code is the verdict's, and the
+    JSON file is written (it was exit 70, "internal error", as Python's sys.stdout is None there)."""
+    out = tmp_path / "trace.json"
+    for sample, verdict in (("mlp", 0), ("nan_where", 1)):
+        command = [sys.executable, "-m", "tracer_cli", "run", str(SAMPLES / f"{sample}.py"), "--json", str(out), "--fail-on", "nonfinite"]
+        result = subprocess.run(command, preexec_fn=lambda: os.close(closed), capture_output=closed != 1, text=True)
+        assert result.returncode == verdict, result.stderr
+        assert strict_json(out.read_text())["meta"]["target"].endswith(f"{sample}.py")
+
+
 def test_json_file_and_tree(runner, tmp_path):
     out = tmp_path / "trace.json"
     result = invoke(runner, "run", str(SAMPLES / "mlp.py"), "--json", str(out))

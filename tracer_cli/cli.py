@@ -9,6 +9,7 @@ import contextlib
 import functools
 import io
 import math
+import os
 import re
 import shutil
 import sys
@@ -1382,6 +1383,12 @@ def diff(
 def _tolerant_streams() -> None:
     """Where stdout or stderr cannot encode every character (a Windows code page, ``LC_ALL=C``), a ``?`` for
     those: a UnicodeEncodeError ended every run there, with exit 70 and no report."""
+    # a stream the caller closed (`gradtrace check model.py >&-`) is None in Python: what goes there goes nowhere
+    # (the file opened takes the closed descriptor, so writes to the descriptor itself go nowhere too)
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - open as long as the process
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
     for stream in (sys.stdout, sys.stderr):
         encoding = (getattr(stream, "encoding", None) or "").lower().replace("_", "-")
         if not encoding.startswith("utf") and hasattr(stream, "reconfigure"):
