@@ -993,6 +993,53 @@ def test_a_model_that_changes_its_input_in_place_is_traced_without_input_gradien
     assert {n["param"] for n in document["nodes"] if n["param"]} == {"fc.weight", "fc.bias"}
 
 
+@pytest.mark.parametrize("again", ["input-grad", "nan"])
+def test_a_step_traced_again_starts_from_the_inputs_the_first_one_had(runner, tmp_path, again):
+    """A forward that changes its inputs in place (``ids.add_(1)``) and is traced again, without input gradients
+    (it also changes a float input in place) or with forward values (its loss is NaN), is traced on the inputs as
+    they were: the second attempt saw ``ids + 2``, and numbers silently off."""
+    changes = "x.mul_(2)" if again == "input-grad" else "pass"
+    # NaN from ids as the first attempt changes them ([1, 2, 3] - 2 has a negative root), not from [2, 3, 4]
+    loss = "(self.emb(ids) * x).pow(2).sum()" if again == "input-grad" else "(self.emb(ids) * x).sum() + (ids - 2.0).sqrt().sum()"
+    source = f"""
+        import torch
+        from torch import nn
+
+        class ChangesItsInputs(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(10, 4)
+
+            def forward(self, ids, x):
+                ids.add_(1)
+                {changes}
+                return {loss}
+
+        def build_model():
+            torch.manual_seed(0)
+            return ChangesItsInputs()
+
+        def example_inputs():
+            return torch.tensor([0, 1, 2]), torch.ones(3, 4)
+        """
+    model = write_model(tmp_path, source)
+    out = tmp_path / "out.json"
+    result = invoke(runner, "check", str(model)) if again == "nan" else invoke(runner, "run", str(model), "--json", str(out))
+    if again == "nan":
+        assert result.exit_code == 1, result.output
+        assert "does not repeat itself" not in result.stderr and "forward made a nan first at" in result.stdout, result.output
+        return
+    assert result.exit_code == 0, result.output
+    namespace: dict = {}
+    exec(textwrap.dedent(source), namespace)  # noqa: S102 - the test's own model, run plainly
+    plain = namespace["build_model"]()
+    loss = plain(*namespace["example_inputs"]())
+    loss.backward()
+    document = json.loads(out.read_text())
+    assert document["meta"]["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    assert document["param_grads"]["emb.weight"]["norm"] == pytest.approx(plain.emb.weight.grad.norm().item(), rel=1e-5)
+
+
 def test_an_input_seed_changes_the_inputs_but_not_the_model(tmp_path):
     """--rank-seed gives each rank its own data and the same model, as data parallelism has it."""
     from tracer_cli.loading import prepare_run

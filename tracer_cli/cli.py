@@ -807,9 +807,12 @@ def _trace(
 
         from .errors import UserCodeError
 
+        from .inputs import InputSnapshot
+
         devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
         # forward values let ranks, or two JSON files (gradtrace diff), be compared
         forward_stats = world_size > 1 or options.json_path is not None
+        inputs = InputSnapshot(prepared.args, prepared.kwargs)  # a step traced again starts from the same inputs
         try:
             with torch.random.fork_rng(devices=devices):  # a step traced again starts from the same random state
                 result = step(forward_stats=forward_stats)
@@ -818,6 +821,7 @@ def _trace(
             if world_size > 1 or not options.input_grad or refused is None:
                 raise
             step = functools.partial(step, input_grad=False)
+            inputs.restore()
             try:
                 with torch.random.fork_rng(devices=devices):
                     result = step(forward_stats=forward_stats)
@@ -835,6 +839,7 @@ def _trace(
         # a non-finite loss: forward made it, and only forward values tell where. The same step again, from the
         # same random state (dropout draws the same masks), its buffers and .grad put back by trace()
         (note or _note)(f"the loss is {loss}: tracing the step again with forward values, to find where forward made it")
+        inputs.restore()
         again = step(forward_stats=True)
         if again.meta.loss is not None and not math.isfinite(again.meta.loss):
             return again

@@ -425,3 +425,34 @@ def _load_failure(err: Exception) -> str:
             return "not plain tensors: " + reasons[0].splitlines()[0].rstrip(".")
     first_line = text.strip().splitlines()[0] if text.strip() else ""
     return f"{type(err).__name__}: {first_line}" if first_line else type(err).__name__
+
+
+class InputSnapshot:
+    """The values of the input tensors before a step, to put back before the step is traced again: a forward
+    that changes its inputs in place (``ids.add_(1)``, ``x.sub_(mean)``) would otherwise be traced again on
+    what the first attempt left in them. A copy of each tensor is kept (inputs are small beside a step's
+    activations); only those changed since are written back."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        import torch
+
+        self._torch = torch
+        tensors = _tensors_of((args, kwargs), torch.Tensor)
+        with torch.no_grad():
+            self._saved = [(tensor, tensor._version, tensor.detach().clone()) for tensor in tensors]
+
+    def restore(self) -> None:
+        with self._torch.no_grad():
+            for index, (tensor, version, value) in enumerate(self._saved):
+                if tensor._version != version:
+                    tensor.copy_(value)
+                    self._saved[index] = (tensor, tensor._version, value)
+
+
+def _tensors_of(value: Any, tensor_type: type) -> list[Any]:
+    """The tensors in nested tuples, lists and dicts, each once."""
+    if isinstance(value, tensor_type):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    found = [tensor for item in items for tensor in _tensors_of(item, tensor_type)]
+    return list({id(tensor): tensor for tensor in found}.values())
