@@ -848,6 +848,51 @@ def test_a_model_on_the_meta_device_is_a_model_error(runner, tmp_path):
     assert result.exit_code == 3 and "meta device" in result.stderr and "Traceback" not in result.output
 
 
+def test_a_template_module_on_the_meta_device_stays_there(runner, tmp_path):
+    """torch's model ensembling keeps a template copy of the module on the meta device and runs it with the
+    stacked parameters (``functional_call`` under ``vmap``): the rest of the model is moved, the template left
+    where it is (``.to()`` of it raised, and the model was refused), and its parameters, which have no values
+    to train, are not said to have received no gradient."""
+    source = """
+        import copy
+
+        import torch
+        from torch import nn
+        from torch.func import functional_call, stack_module_state, vmap
+
+        class Ensemble(nn.Module):
+            def __init__(self, members=3):
+                super().__init__()
+                nets = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)) for _ in range(members)]
+                params, _ = stack_module_state(nets)
+                self.names = list(params)
+                self.stacked = nn.ParameterDict({k.replace(".", "_"): nn.Parameter(v) for k, v in params.items()})
+                self.template = copy.deepcopy(nets[0]).to("meta")
+
+            def forward(self, x):
+                params = {name: self.stacked[name.replace(".", "_")] for name in self.names}
+                return vmap(lambda p, x: functional_call(self.template, p, (x,)), in_dims=(0, None))(params, x).pow(2).mean()
+
+        def build_model():
+            torch.manual_seed(0)
+            return Ensemble()
+
+        def example_inputs():
+            torch.manual_seed(1)
+            return torch.randn(5, 4)
+        """
+    model = write_model(tmp_path, source)
+    result = invoke(runner, "check", str(model), "--max-grad-norm", "1e9")
+    assert result.exit_code == 0, result.output
+    assert "nograd" not in result.stdout.replace("(nonfinite, nograd, zero", "")
+    namespace: dict = {}
+    exec(textwrap.dedent(source), namespace)  # noqa: S102 - the test's own model, run plainly
+    plain = namespace["build_model"]()
+    plain(namespace["example_inputs"]()).backward()
+    total = torch.stack([p.grad.norm() for p in plain.stacked.values()]).norm().item()
+    assert f"params ‖grad‖ {total:.3g}" in result.stdout, result.stdout
+
+
 def test_json_to_stdout_still_writes_exports_and_says_why_it_fails(runner, tmp_path):
     dot, svg = tmp_path / "graph.dot", tmp_path / "tree.svg"
     args = ["run", str(SAMPLES / "nan_where.py"), "--json", "-", "--fail-on", "nonfinite", "--dot", str(dot), "--svg", str(svg)]

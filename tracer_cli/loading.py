@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import itertools
 import os
 import re
 import sys
@@ -385,11 +386,17 @@ def parse_device(device: str) -> Any:
 
 
 def move_model(model: Any, device: Any) -> None:
-    """Move a model (or a plain callable's top-level modules) to ``device``."""
+    """Move a model (or a plain callable's top-level modules) to ``device``. Tensors on the meta device stay there
+    where others are not (a template module that ``functional_call`` runs with real parameters: torch's model
+    ensembling); a model on the meta device alone is refused (:func:`_no_data_is_a_model_error`)."""
     from .tracing import named_modules_of
 
-    for name, module in named_modules_of(model):
-        if "." not in name:
+    top = [module for name, module in named_modules_of(model) if "." not in name]
+    meta = {tensor.is_meta for module in top for tensor in itertools.chain(module.parameters(), module.buffers())}
+    for module in top:
+        if meta == {True, False}:  # (what Module.to does, tensor by tensor)
+            module._apply(lambda tensor: tensor if tensor.is_meta else tensor.to(device))
+        else:
             module.to(device)
 
 

@@ -2227,8 +2227,11 @@ class _TraceSession:
             _holds_stat(call.grad_outputs) for call in every_call[at(old)]))
         # nor a .grad after backward: DDP (find_unused_parameters) fills that of a parameter this rank did not use
         with_grad |= {name for name, _ in self.param_grads}
+        # a parameter on the meta device has no values to train (a template functional_call runs with others)
         missing = tuple(
-            leaf.name for leaf in self.leaves.values() if leaf.tensor.requires_grad and leaf.name not in with_grad
+            leaf.name
+            for leaf in self.leaves.values()
+            if leaf.tensor.requires_grad and not leaf.tensor.is_meta and leaf.name not in with_grad
         )
         param_grads = tuple(sorted((name, stat(slot)) for name, slot in self.param_grads))
         return Trace(meta=meta, nodes=built, params_without_grad=missing, param_grads=param_grads)
