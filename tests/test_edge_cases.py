@@ -1283,3 +1283,34 @@ def test_functional_call_with_tensors_of_ones_own_reports_their_gradients():
     assert set(norms) == {f"base.{name}" for name in params}
     for name, tensor in params.items():
         assert norms[f"base.{name}"].norm == pytest.approx(float(tensor.grad.norm()), rel=1e-5)
+
+
+def test_functional_call_with_non_leaf_stand_ins_reads_their_grad_without_a_warning():
+    """Stand-ins made by an op (``v * scale``) are not leaves and have no ``.grad``; reading it must not make
+    torch warn about a non-leaf's ``.grad`` from inside gradtrace."""
+    import warnings
+
+    from torch.func import functional_call
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 2)
+            self.scale = nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):
+            return functional_call(self.inner, {k: v * self.scale for k, v in self.inner.named_parameters()}, (x,))
+
+    torch.manual_seed(0)
+    model = Scaled()
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = trace(model, x)
+    assert [str(w.message) for w in caught] == []
+    expected = plain_grads(model, (x,))
+    del expected["input:0"]  # the input needs no gradient here: the parameters do
+    norms = dict(result.param_grads)
+    assert set(norms) == set(expected)
+    for name, grad in expected.items():
+        assert norms[name].norm == pytest.approx(float(grad.norm()), rel=1e-5)

@@ -2064,7 +2064,10 @@ class _TraceSession:
             # named after those: theirs is the gradient the name got, where the module's own got none
             named = {name for name, _ in self.param_grads}
             for leaf in self.tracker.held.values():
-                grad = leaf.tensor.grad
+                tensor = leaf.tensor
+                # a stand-in made by an op (v * scale) has no .grad unless it retains one, and reading it makes
+                # torch warn: read only where backward may have filled it
+                grad = tensor.grad if tensor.is_leaf or tensor.retains_grad else None
                 if grad is not None and leaf.name not in named:
                     self.param_grads.append((leaf.name, self._slot_now(grad)))
 
