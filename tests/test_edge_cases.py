@@ -1314,3 +1314,64 @@ def test_functional_call_with_non_leaf_stand_ins_reads_their_grad_without_a_warn
     assert set(norms) == set(expected)
     for name, grad in expected.items():
         assert norms[name].norm == pytest.approx(float(grad.norm()), rel=1e-5)
+
+
+class _GradOfLinear(nn.Module):
+    """Per-sample input gradients made inside forward by torch.func transforms, in three spellings."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.how = how
+
+    def forward(self, x):
+        from torch.func import functional_call, grad, jacrev, vmap
+
+        if self.how == "grad":
+            gx = vmap(grad(lambda xi: self.lin(xi).squeeze()))(x)
+        elif self.how == "jacrev":
+            gx = vmap(jacrev(lambda xi: self.lin(xi)))(x)
+        else:
+            params = dict(self.lin.named_parameters())
+            gx = vmap(grad(lambda xi: functional_call(self.lin, params, (xi,)).squeeze()))(x)
+        return gx.pow(2).sum()
+
+
+@pytest.mark.parametrize("how", ["grad", "jacrev", "functional_call"])
+def test_forward_values_under_vmap_of_grad_are_recorded_outside_the_transform_and_the_trace_is_whole(how):
+    """Tensors inside a torch.func transform are wrappers (batched, grad-tracking) whose nodes belong to the
+    transform's own graph, and whose norms cannot be read back outside it: they are not recorded. The traced
+    graph's nodes made outside the transform have their values; the gradients are those of a plain backward."""
+    torch.manual_seed(0)
+    model = _GradOfLinear(how)
+    x = torch.randn(5, 4)
+    result = trace(model, x, forward_stats=True)
+    expected = plain_grads(model, (x,))
+    expected.pop("input:0", None)  # x's gradient (none: gx does not depend on it) is not asked for
+    norms = dict(result.param_grads)
+    assert set(norms) == set(expected) == {"lin.weight"}  # the bias moves no input gradient
+    for name, grad in expected.items():
+        assert norms[name].norm == pytest.approx(float(grad.norm()), rel=1e-5)
+    with torch.no_grad():
+        squares = model.lin.weight.expand(5, -1).pow(2)  # each sample's input gradient is the weight row
+    (power,) = result.find("PowBackward0")
+    assert power.forward.norm == pytest.approx(float(squares.norm()), rel=1e-5)
+    (total,) = result.find("SumBackward0")
+    assert total.forward.norm == pytest.approx(float(squares.sum()), rel=1e-5)
+    assert result.leaf("lin.weight").forward.norm == pytest.approx(float(model.lin.weight.detach().norm()), rel=1e-6)
+
+
+def test_a_nan_made_after_vmap_of_grad_is_found_by_its_forward_value():
+    """The log of a negative number beside a vmap(grad(...)): the NaN's origin is the log."""
+    torch.manual_seed(0)
+    model = _GradOfLinear("grad")
+    x = torch.randn(5, 4)
+
+    def with_log(x):
+        return model(x) + torch.log(-x.abs()).sum()
+
+    result = trace(with_log, x, forward_stats=True, input_grad=True)  # as the CLI's run: the log has a node
+    assert math.isnan(result.meta.loss)
+    assert result.forward_nonfinite_origin().name == "LogBackward0"
+    with torch.no_grad():
+        assert torch.isnan(torch.log(-x.abs())).all() and math.isfinite(float(model(x)))

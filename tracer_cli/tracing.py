@@ -1525,6 +1525,9 @@ class _TraceSession:
         self._leaf_type = torch._C._functions.AccumulateGrad
         self._custom_type = torch.autograd.function.BackwardCFunction
         self._current_node = getattr(torch._C, "_current_autograd_node", None)  # the node running in this thread
+        # a tensor inside a torch.func transform (vmap's batched one, grad's or functionalize's wrapper): its node,
+        # if any, is of the transform's own graph, never the traced one, and its elements cannot be read outside
+        self._in_transform = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", _never)
         self.stats = _Stats()
         self.leaves = leaves
         self.input_names = input_names
@@ -1686,7 +1689,7 @@ class _TraceSession:
         try:
             if type(output) is self._plain:  # most ops: one plain tensor (normed under no_grad: no graph)
                 grad_fn = output.grad_fn
-                if grad_fn is not None:
+                if grad_fn is not None and not self._in_transform(output):
                     if output.numel() > SMALL_NUMEL:  # normed at once, once per set of elements in memory: a view that
                         with self._torch.no_grad():  # transposes or reshapes an output has its norm
                             self.forward_values[id(grad_fn)] = (grad_fn, self._slot_now(output))
@@ -1700,7 +1703,7 @@ class _TraceSession:
             grouped: dict[int, list[Any]] = {}
             for tensor in _tensors_in(output, self._torch.Tensor):
                 grad_fn = tensor.grad_fn
-                if grad_fn is not None:
+                if grad_fn is not None and not self._in_transform(tensor):
                     grouped.setdefault(id(grad_fn), [grad_fn]).append(tensor)
             with self._torch.no_grad():
                 for key, (grad_fn, *tensors) in grouped.items():
@@ -2743,6 +2746,11 @@ def _relative_to(path: str, folder: str) -> str:
     except ValueError:  # another drive (Windows)
         return path
     return path if relative.startswith("..") else relative
+
+
+def _never(tensor: Any) -> bool:
+    """In place of a check this torch lacks: no tensor is said to be in a torch.func transform."""
+    return False
 
 
 def _tensors_in(value: Any, tensor_type: type) -> list[Any]:
