@@ -819,6 +819,26 @@ def test_a_shared_hook_call_for_no_node_of_the_graph_fails_the_trace_and_leaves_
     assert after.keys() == expected.keys() and all(torch.equal(after[k], expected[k]) for k in expected)
 
 
+def test_a_failure_recording_forward_values_is_reported_as_such(monkeypatch):
+    """A hook error is reported with where it happened: recording forward values, not during backward."""
+    from tracer_cli import tracing
+    from tracer_cli.errors import InternalError
+
+    batch = tracing._Stats.batch
+    calls = []
+
+    def failing_first(*args, **kwargs):  # the first batch is forward's (backward's flush raises in no hook)
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("norms unavailable")
+        return batch(*args, **kwargs)
+
+    monkeypatch.setattr(tracing._Stats, "batch", failing_first)
+    with pytest.raises(InternalError, match="failed while recording forward values") as raised:
+        trace(nn.Linear(4, 3), torch.randn(5, 4), forward_stats=True)
+    assert "norms unavailable" in str(raised.value)
+
+
 def test_two_threads_recording_custom_functions_at_once_each_record_their_own_and_leave_apply_as_it_was():
     """Each trace records its thread's custom Function calls (for --gradcheck) through Function.apply, one
     attribute for the process. Two traces in two threads, the first to start also the first to end: each

@@ -974,6 +974,9 @@ INF_CHECK_NUMEL = 1 << 16
 CHUNKED_DOT_NUMEL = 1 << 21
 DOT_CHUNK = 1 << 19
 NO_VALUE = -1  # the position of a norm that could not be taken
+# where a hook of gradtrace's failed (the error is reported after the step)
+RECORDING_FORWARD = "while recording forward values"
+DURING_BACKWARD = "during backward"
 # Where at least one call in this many is an AccumulateGrad's, a parameter's .grad finds what its AccumulateGrad
 # received in a pass over every call (0.1 us a call), rather than having a small one normed again (about 2 us; a
 # chain of 6,000 tiny ops with one parameter is better without the pass, 1,000 Linear layers with it)
@@ -1560,7 +1563,7 @@ class _TraceSession:
         self._seen: dict[int, tuple[Any, int, int]] = {}
         self._blocks: dict[tuple, tuple[Any, int, int]] = {}  # the same, per set of elements in memory (_elements_key)
         self.received: dict[int, list[list[int]]] = {}  # AccumulateGrad node -> grad_outputs slots, per call logged at once
-        self.errors: list[str] = []
+        self.errors: list[tuple[str, str]] = []  # (where a hook failed, its traceback): reported after the step
         self.running_custom: list[int] = []
         self.modes: list[Any] = []
         self._mode_class = _discovery_mode_class()
@@ -1711,7 +1714,7 @@ class _TraceSession:
                     slot = slots[0] if len(slots) == 1 else self.stats.joint(slots, sum(t.numel() for t in tensors))
                     self.forward_values[key] = (grad_fn, slot)
         except Exception:  # never break the user's forward; report after it
-            self.errors.append(traceback.format_exc())
+            self.errors.append((RECORDING_FORWARD, traceback.format_exc()))
 
     def flush_forward(self) -> None:
         """Take the norms of the forward values that wait (:meth:`record_forward`), in batches."""
@@ -1729,7 +1732,7 @@ class _TraceSession:
                     # a value whose tensor changed since, out of the mode's sight, has none
                     values[id(grad_fn)] = (grad_fn, slots[id(tensor)] if tensor._version == version else NO_VALUE)
         except Exception:  # never break the user's forward; report after it
-            self.errors.append(traceback.format_exc())
+            self.errors.append((RECORDING_FORWARD, traceback.format_exc()))
 
     def discover_in_backward(self, output: Any) -> None:
         try:
@@ -1737,7 +1740,7 @@ class _TraceSession:
             if roots:
                 self.discover(roots, in_backward=True)
         except Exception:  # never break the user's backward; report after it
-            self.errors.append(traceback.format_exc())
+            self.errors.append((DURING_BACKWARD, traceback.format_exc()))
 
     # --- hooks -------------------------------------------------------------------
     def _make_run_hook(self) -> Callable[[int, tuple, tuple], None]:
@@ -1779,7 +1782,7 @@ class _TraceSession:
                     waiting = 0
                     session.flush()
             except Exception:  # never break the user's backward; report after it
-                session.errors.append(traceback.format_exc())
+                session.errors.append((DURING_BACKWARD, traceback.format_exc()))
             return None
 
         return on_run
@@ -1794,7 +1797,7 @@ class _TraceSession:
             self.modes.append(mode)
             self.running_custom.append(node_id)
         except Exception:  # never break the user's backward; report after it
-            self.errors.append(traceback.format_exc())
+            self.errors.append((DURING_BACKWARD, traceback.format_exc()))
 
     def _on_custom_run(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
         try:
@@ -1802,7 +1805,7 @@ class _TraceSession:
                 self.running_custom.pop()
                 self.modes.pop().__exit__(None, None, None)
         except Exception:
-            self.errors.append(traceback.format_exc())
+            self.errors.append((DURING_BACKWARD, traceback.format_exc()))
         return (self._on_run_now if self.replay else self._run_hook)(node_id, grad_inputs, grad_outputs)
 
     def _on_run_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
@@ -1814,7 +1817,7 @@ class _TraceSession:
             if self.replay and node_id not in self.replays:
                 self.replays[node_id] = self._replay(node_id, grad_inputs, grad_outputs)
         except Exception:
-            self.errors.append(traceback.format_exc())
+            self.errors.append((DURING_BACKWARD, traceback.format_exc()))
         return None
 
     def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
@@ -2088,6 +2091,11 @@ class _TraceSession:
             received.setdefault(run_by[order], []).append(slots[starts[order] : starts[order + 1]])
         return received
 
+    def hook_failure(self) -> InternalError:
+        """The first error a hook of gradtrace's caught, as gradtrace's own, saying where it happened."""
+        where, details = self.errors[0]
+        return InternalError(f"a gradtrace hook failed {where}:\n{details}")
+
     def finish(self, meta: Meta, loss: Any) -> Trace:
         """Read the statistics (and the loss value) back in one transfer and build the frozen Trace.
 
@@ -2095,7 +2103,7 @@ class _TraceSession:
         Python per node.
         """
         if self.errors:
-            raise InternalError("a gradtrace hook failed during backward:\n" + self.errors[0])
+            raise self.hook_failure()
         self.flush()
         nodes = self.nodes
         run_by = self.log  # each call's node id, in the order of the calls
@@ -2975,7 +2983,7 @@ def trace(
                 loss.backward()
         except USER_CODE_ERRORS as exc:
             if session.errors:
-                raise InternalError("a gradtrace hook failed during backward:\n" + session.errors[0]) from exc
+                raise session.hook_failure() from exc
             raise UserCodeError("backward", exc) from exc
         backward_done = time.perf_counter()
         session.close()
