@@ -560,6 +560,55 @@ def test_diff_reads_one_rank_of_a_merged_file(tmp_path, two_runs):
     assert invoke("diff", f"{merged}#2", str(before)).exit_code == 2
 
 
+WRAPPABLE = """
+import os
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    if os.environ.get("GRADTRACE_TEST_CHANGE"):
+        with torch.no_grad():
+            model[2].weight.mul_(1.1)
+    if os.environ.get("GRADTRACE_TEST_WRAP"):  # as DDP wraps it (DataParallel: the same prefix, and no GPU needed)
+        model = nn.DataParallel(model)
+    return model
+
+def example_inputs():
+    return torch.randn(4, 8)
+"""
+
+
+def test_diff_lines_up_a_wrapped_model_with_the_bare_one(tmp_path, monkeypatch):
+    """Under DDP (or DataParallel, torch.compile, FSDP) every parameter name has the wrapper's prefix: the diff
+    sets it aside, says so, and compares the values."""
+    path = tmp_path / "wrappable.py"
+    path.write_text(WRAPPABLE)
+    bare, wrapped, changed = tmp_path / "bare.json", tmp_path / "wrapped.json", tmp_path / "changed.json"
+    assert invoke("run", str(path), "--json", str(bare)).exit_code == 0
+    monkeypatch.setenv("GRADTRACE_TEST_WRAP", "1")
+    assert invoke("run", str(path), "--json", str(wrapped)).exit_code == 0
+    monkeypatch.setenv("GRADTRACE_TEST_CHANGE", "1")
+    assert invoke("run", str(path), "--json", str(changed)).exit_code == 0
+    assert "module.2.weight" in {n["param"] for n in json.loads(wrapped.read_text())["nodes"]}
+    out = tmp_path / "diff.json"
+    result = invoke("diff", str(wrapped), str(bare), "--json", str(out))
+    assert result.exit_code == 0, result.stdout
+    assert f"prefix 'module.' of {wrapped}" in result.stdout and "agree" in result.stdout
+    document = json.loads(out.read_text())
+    assert document["prefix_ignored"] == {"file": str(wrapped), "prefix": "module."}
+    assert document["first_divergent"] is None
+    result = invoke("diff", str(bare), str(changed), "--json", str(out))
+    assert result.exit_code == 1
+    document = json.loads(out.read_text())
+    assert document["prefix_ignored"] == {"file": str(changed), "prefix": "module."}
+    first = document["first_divergent"]
+    assert (first["kind"], first["param"], first["module"]) == ("forward", "2.weight", "2")
+    assert "2.weight" in result.stdout.splitlines()[0]
+    assert json.loads(invoke("diff", str(bare), str(bare), "--json", "-").stdout)["prefix_ignored"] is None
+
+
 # --replay -------------------------------------------------------------------------------------
 
 

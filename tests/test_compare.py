@@ -230,3 +230,98 @@ def test_with_two_traces_the_one_with_the_extra_node_is_the_one_that_differs():
     for traces, labels, owner in (([with_extra, without], [0, 1], 0), ([without, with_extra], [0, 1], 1)):
         first = compare(traces, labels=labels)["first_divergent"]
         assert (first["kind"], first["name"], first["ranks"], first["rank"]) == ("structure", "SigmoidBackward0", [owner], owner)
+
+
+# a wrapper's prefix on parameter names (DDP, DataParallel, torch.compile, FSDP) -----------------------
+
+
+class Wrapper(nn.Module):
+    """Holds the model under one attribute, as DistributedDataParallel (``module``) or FSDP (``_fsdp_wrapped_module``)."""
+
+    def __init__(self, inner: nn.Module, attribute: str):
+        super().__init__()
+        self.attribute = attribute
+        setattr(self, attribute, inner)
+
+    def forward(self, x):
+        return getattr(self, self.attribute)(x)
+
+
+def traced_wrapped(attributes, model_changes=None):
+    torch.manual_seed(0)
+    model = Net()
+    if model_changes:
+        model_changes(model)
+    for attribute in attributes:
+        model = Wrapper(model, attribute)
+    return trace(model, X, forward_stats=True)
+
+
+@pytest.mark.parametrize("attributes, prefix", [(["module"], "module."), (["_fsdp_wrapped_module", "module"], "module._fsdp_wrapped_module.")])
+@pytest.mark.parametrize("wrapped_first", [True, False])
+def test_a_wrapped_model_lines_up_with_the_bare_one(attributes, prefix, wrapped_first):
+    """The same model, the same weights: the traces agree once the wrapper's prefix is set aside."""
+    from tracer_cli.compare import strip_prefix, wrapper_prefix
+
+    wrapped, bare = traced_wrapped(attributes), traced()
+    assert wrapped.leaf(prefix + "second.weight")  # the tracer names the parameters as the wrapper holds them
+    traces = [wrapped, bare] if wrapped_first else [bare, wrapped]
+    side = 0 if wrapped_first else 1
+    assert wrapper_prefix(*traces) == (side, prefix)
+    traces[side] = strip_prefix(traces[side], prefix)
+    assert traces[side].leaf("second.weight").module == "second"
+    assert {n.module for n in traces[side].nodes} == {n.module for n in bare.nodes}  # the root's own ops: ""
+    assert dict(traces[side].param_grads).keys() == dict(bare.param_grads).keys()
+    comparison = compare(traces, labels=[0, 1])
+    assert comparison["first_divergent"] is None and comparison["unsynchronized_params"] == []
+
+
+def test_a_changed_weight_under_a_wrapper_is_named():
+    from tracer_cli.compare import strip_prefix, wrapper_prefix
+
+    def nudge(model):
+        with torch.no_grad():
+            model.second.weight[0, 0] += 0.1
+
+    wrapped, bare = traced_wrapped(["module"], nudge), traced()
+    assert wrapper_prefix(bare, wrapped) == (1, "module.")
+    first = compare([bare, strip_prefix(wrapped, "module.")], labels=[0, 1])["first_divergent"]
+    assert (first["kind"], first["param"], first["module"], first["ranks"]) == ("forward", "second.weight", "second", [1])
+
+
+def test_no_wrapper_prefix_unless_every_name_has_it():
+    from tracer_cli.compare import wrapper_prefix
+
+    assert wrapper_prefix(traced(), traced()) is None
+    torch.manual_seed(0)
+    other = trace(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), X, forward_stats=True)
+    assert wrapper_prefix(traced(), other) is None
+    # one submodule's names are not a wrapper's: "first." is a prefix of some names only
+    torch.manual_seed(0)
+    first_only = trace(Net().first, X, forward_stats=True)
+    assert wrapper_prefix(first_only, traced()) is None
+
+
+def test_parameters_that_differ_by_name_are_named_not_paired_with_other_leaves():
+    """Two graphs of the same shape whose parameter names differ: the structure difference says which names each
+    trace alone has, rather than pairing one trace's input with the other's bias."""
+    torch.manual_seed(0)
+    numbered = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    named = nn.Sequential()
+    for name, layer in zip(("fc1", "act", "fc2"), numbered):
+        named.add_module(name, layer)
+    comparison = compare([trace(numbered, X, forward_stats=True), trace(named, X, forward_stats=True)], labels=[0, 1])
+    first = comparison["first_divergent"]
+    assert first["kind"] == "structure" and first["param"] == "0.bias" and first["rank"] == 0
+    assert first["params_only"] == [["0.bias", "0.weight", "2.bias", "2.weight"], ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]]
+    assert "input:0" not in str(first["params_only"])
+    from rich.console import Console
+
+    from tracer_cli.render.diff import render_diff
+
+    console = Console(width=300, color_system=None)
+    with console.capture() as captured:
+        console.print(render_diff(trace(numbered, X), trace(named, X), comparison, ("a.json", "b.json")))
+    lines = captured.get().splitlines()
+    assert lines[1] == "  parameters differ: 0.bias, 0.weight, 2.bias, 2.weight only in a.json; fc1.bias, fc1.weight, fc2.bias, fc2.weight only in b.json"
+

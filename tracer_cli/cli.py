@@ -1349,7 +1349,7 @@ def diff(
     def body() -> int:
         import json
 
-        from .compare import compare
+        from .compare import compare, strip_prefix, wrapper_prefix
         from .errors import UsageError
         from .render.diff import render_diff
         from .render.json import read_trace
@@ -1361,6 +1361,11 @@ def diff(
             (a, note_a), (b, note_b) = read_trace(first), read_trace(second)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
+        # a wrapper's prefix on every parameter name of one file (DDP's module.): lined up without it
+        wrapped = wrapper_prefix(a, b)
+        if wrapped is not None:
+            side, prefix = wrapped
+            a, b = (strip_prefix(a, prefix), b) if side == 0 else (a, strip_prefix(b, prefix))
         comparison = compare([a, b], rtol=rtol, labels=[0, 1])
         for note in (note_a, note_b):
             if note:
@@ -1373,12 +1378,15 @@ def diff(
                 # (a structure divergence) they are two ids, else the same
                 first_divergent["file"] = (first, second)[origin["rank"]]
                 first_divergent["ids"] = origin.get("ids", [origin["id"]] * 2)
+                if "params_only" in origin:
+                    first_divergent["params_only"] = origin["params_only"]
+            prefix_ignored = None if wrapped is None else {"file": (first, second)[wrapped[0]], "prefix": wrapped[1]}
             document = {"first_divergent": first_divergent, "nodes": comparison["nodes"],
                         "unsynchronized_params": comparison["unsynchronized_params"], "rtol": rtol, "atol": comparison["atol"],
-                        "note": comparison["note"], "a": first, "b": second}
+                        "note": comparison["note"], "prefix_ignored": prefix_ignored, "a": first, "b": second}
             _write_json(json_path, json.dumps(document, allow_nan=False, sort_keys=True, indent=1) + "\n")
         if json_path != "-":
-            _log_console().print(render_diff(a, b, comparison, (first, second)))
+            _log_console().print(render_diff(a, b, comparison, (first, second), wrapped))
         differs = comparison["first_divergent"] is not None or bool(comparison["unsynchronized_params"])
         return ExitCode.GRADIENT_PROBLEMS if differs else ExitCode.OK
 

@@ -4,8 +4,9 @@
 JSON file). The *origin* of a disagreement is reported, not merely the first
 node that differs downstream of it:
 
-* structure: the graphs differ; the first node, in creation order, that does
-  not align (a rank made an extra or a different node).
+* structure: the graphs differ; the parameters in them by name (leaves are
+  lined up by name), else the first node, in creation order, that does not
+  align (a rank made an extra or a different node).
 * forward: the earliest-created node whose forward value differs while the
   values of its inputs agree (leaves first: a parameter that differs is its
   own origin).
@@ -15,6 +16,7 @@ node that differs downstream of it:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from typing import Any, Iterable, Sequence
@@ -93,7 +95,36 @@ def _describe(node: Node, kind: str, ranks: list[int], rank: int, ids: list[int 
     return described
 
 
+def _parameter_leaves(trace: Trace) -> frozenset[str]:
+    return frozenset(n.param for n in trace.nodes if n.is_leaf and n.param is not None and not n.param.startswith("input:"))
+
+
+def _parameters_origin(traces: Sequence[Trace], labels: list[int]) -> dict[str, Any] | None:
+    """Where the parameters in the graphs differ by name: the first that one trace alone has (leaves are lined up by
+    name, so any other node would pair unrelated leaves), with ``params_only``: each trace's names that another lacks."""
+    names = [_parameter_leaves(t) for t in traces]
+    if len(set(names)) == 1:
+        return None
+    common = frozenset.intersection(*names)
+    only = [sorted(n - common) for n in names]
+    if len(traces) > 2:
+        reference = Counter(names).most_common(1)[0][0]
+        differing = [i for i, n in enumerate(names) if n != reference]
+    else:  # no majority: each trace with a name of its own
+        differing = [i for i, o in enumerate(only) if o]
+    # the origin is a leaf of a trace that has it (a trace that only lacks a parameter has no node to name)
+    culprit = next((i for i in differing if only[i]), next(i for i, o in enumerate(only) if o))
+    origin = traces[culprit].leaf(only[culprit][0])
+    ids = [t.leaf(origin.param).id if origin.param in n else None for t, n in zip(traces, names)]
+    described = _describe(origin, "structure", [labels[i] for i in differing], labels[culprit], ids)
+    described["params_only"] = only
+    return described
+
+
 def _structure_origin(traces: Sequence[Trace], labels: list[int]) -> dict[str, Any] | None:
+    by_name = _parameters_origin(traces, labels)
+    if by_name is not None:
+        return by_name
     sequences = [_creation_sequence(t) for t in traces]
     longest = max(len(s) for s in sequences)
     for position in range(longest):
@@ -306,3 +337,48 @@ def _unsynchronized_params(traces: Sequence[Trace], rtol: float, atol: float) ->
     grads = [dict(t.param_grads) for t in traces]
     names = sorted(set().union(*grads))
     return [name for name in names if values_differ([_norm(g.get(name)) for g in grads], rtol, atol)]
+
+
+def _parameter_names(trace: Trace) -> set[str]:
+    """Every parameter the trace names: its leaves', and those named after backward (inputs are not parameters)."""
+    names = set(_parameter_leaves(trace))
+    return names | {name for name, _ in trace.param_grads} | set(trace.params_without_grad)
+
+
+def wrapper_prefix(a: Trace, b: Trace) -> tuple[int, str] | None:
+    """Whether one trace's parameter names are all the other's with one prefix added: a wrapper's (``module.`` of
+    DDP and DataParallel, ``_orig_mod.`` of torch.compile, ``_fsdp_wrapped_module.``; nested, ``module._orig_mod.``).
+
+    Returns:
+        The index of the trace whose names carry the prefix, and the prefix (it ends in a dot); None when the names
+        are the same, or differ otherwise.
+    """
+    names = [_parameter_names(a), _parameter_names(b)]
+    if names[0] == names[1] or len(names[0]) != len(names[1]):
+        return None
+    for wrapped in (0, 1):
+        bare, sample = names[1 - wrapped], min(names[wrapped])
+        # the prefix is a module path: it ends at one of the sample's dots
+        for end in (i + 1 for i, char in enumerate(sample) if char == "."):
+            prefix = sample[:end]
+            if {prefix + name for name in bare} == names[wrapped]:
+                return wrapped, prefix
+    return None
+
+
+def strip_prefix(trace: Trace, prefix: str) -> Trace:
+    """The trace with a wrapper's prefix taken off its parameter and module names (``module.0.weight``:
+    ``0.weight``; the wrapped model itself, ``module``, becomes the root, ``""``, as do wrappers within the prefix)."""
+
+    def bare(name: str | None) -> str | None:
+        if name is not None and name.startswith(prefix):
+            return name[len(prefix):]
+        return "" if name and prefix.startswith(name + ".") else name
+
+    nodes = tuple(node._replace(param=bare(node.param), module=bare(node.module)) for node in trace.nodes)
+    return dataclasses.replace(
+        trace,
+        nodes=nodes,
+        params_without_grad=tuple(bare(name) for name in trace.params_without_grad),
+        param_grads=tuple((bare(name), stat) for name, stat in trace.param_grads),
+    )

@@ -42,8 +42,15 @@ def _other_leaves_that_differ(a: Trace, comparison: dict[str, Any], origin: int)
     return names
 
 
-def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[str, str]) -> RenderableType:
-    """The origin (node, module or parameter, kind, the two values) and a table of the most different nodes."""
+def render_diff(
+    a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[str, str], prefix_ignored: tuple[int, str] | None = None,
+) -> RenderableType:
+    """The origin (node, module or parameter, kind, the two values) and a table of the most different nodes.
+
+    Args:
+        prefix_ignored: which file's parameter names carry a wrapper's prefix (DDP's ``module.``) and the prefix,
+            taken off them to line the files up (``compare.wrapper_prefix``).
+    """
     parts: list[RenderableType] = []
     first = comparison["first_divergent"]
     if first is None and not comparison.get("unsynchronized_params"):
@@ -60,7 +67,10 @@ def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[st
         if first["kind"] == "structure" and first.get("rank") in (0, 1):
             text.append(f" of {labels[first['rank']]}", style="bold red")
         parts.append(text)
-        if first["kind"] == "structure":  # in creation order, the first place where the graphs do not align
+        if first.get("params_only"):  # leaves are lined up by name: where the names differ, they are the difference
+            only = [f"{listed(names, 4)} only in {label}" for names, label in zip(first["params_only"], labels) if names]
+            parts.append(Text(f"  parameters differ: {'; '.join(only)}"))
+        elif first["kind"] == "structure":  # in creation order, the first place where the graphs do not align
             shown = [f"#{node.id} {short_name(node.name)} in {_where(node.param, node.module)}" if node else "nothing (its graph ends)" for node in (node_a, node_b)]
             parts.append(Text(f"  node: {labels[0]}: {shown[0]}   {labels[1]}: {shown[1]}"))
         elif node_a is not None and node_b is not None:
@@ -72,6 +82,10 @@ def render_diff(a: Trace, b: Trace, comparison: dict[str, Any], labels: tuple[st
                 others = _other_leaves_that_differ(a, comparison, first["id"])
                 if others:
                     parts.append(Text(f"  {listed(others, 4)} differ too", style="yellow"))
+    if prefix_ignored is not None:
+        side, prefix = prefix_ignored
+        parts.append(Text(f"parameter and module names lined up without the prefix {prefix!r} of {labels[side]} "
+                          "(a wrapper's: DDP, DataParallel, FSDP, torch.compile)", style="yellow"))
     if comparison.get("note"):
         parts.append(Text(comparison["note"], style="yellow"))
     if comparison.get("unsynchronized_params") and first is None:
