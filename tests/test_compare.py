@@ -325,3 +325,35 @@ def test_parameters_that_differ_by_name_are_named_not_paired_with_other_leaves()
     lines = captured.get().splitlines()
     assert lines[1] == "  parameters differ: 0.bias, 0.weight, 2.bias, 2.weight only in a.json; fc1.bias, fc1.weight, fc2.bias, fc2.weight only in b.json"
 
+
+def _nudged(model):
+    with torch.no_grad():
+        model.second.weight[0, 0] += 0.1
+
+
+def test_forward_values_missing_on_one_side_are_not_a_difference():
+    """A trace() without forward_stats against a --json file: the gradients still place the change, where they
+    place it when neither trace has forward values (before, every node was skipped: no first difference)."""
+    from rich.console import Console
+
+    from tracer_cli.render.diff import render_diff
+
+    def without_forward(model_changes=None):
+        torch.manual_seed(0)
+        model = Net()
+        if model_changes:
+            model_changes(model)
+        return trace(model, X)
+
+    neither = compare([without_forward(), without_forward(_nudged)], labels=[0, 1])
+    assert neither["first_divergent"] is not None
+    for a, b in ((traced(), without_forward(_nudged)), (without_forward(), traced(_nudged))):
+        comparison = compare([a, b], labels=[0, 1])
+        first = comparison["first_divergent"]
+        assert first is not None and (first["id"], first["kind"]) == (neither["first_divergent"]["id"], neither["first_divergent"]["kind"])
+        assert "only where" in comparison["note"]
+        console = Console(width=300, color_system=None)
+        with console.capture() as captured:
+            console.print(render_diff(a, b, comparison, ("a.json", "b.json")))
+        assert captured.get().startswith("first difference: backward at "), captured.get()
+    assert compare([traced(), without_forward()], labels=[0, 1])["first_divergent"] is None

@@ -38,6 +38,13 @@ def values_differ(values: Sequence[float | None], rtol: float, atol: float) -> b
     return high - low > atol + rtol * max(abs(low), abs(high))
 
 
+def _recorded_differ(values: Sequence[float | None], rtol: float, atol: float) -> bool:
+    """Whether the values that were recorded disagree: a trace made without forward values has none, which is not a
+    difference."""
+    present = [v for v in values if v is not None]
+    return len(present) > 1 and values_differ(present, rtol, atol)
+
+
 def relative_spread(values: Sequence[float | None]) -> float | None:
     """``(max - min) / max(|v|)`` over finite values; inf when non-finite values disagree."""
     present = [v for v in values if v is not None]
@@ -217,7 +224,7 @@ def _backward_origin(traces: Sequence[Trace], labels: list[int], rtol: float, at
         if any(n.order is None for n in nodes):
             continue
         forward = [_norm(n.forward) for n in nodes]
-        if values_differ(forward, rtol, atol) or _slots_differ(nodes, "grad_outputs", rtol, atol):
+        if _recorded_differ(forward, rtol, atol) or _slots_differ(nodes, "grad_outputs", rtol, atol):
             continue
         if _slots_differ(nodes, "grad_inputs", rtol, atol):
             columns = list(zip(*[_slots(n.grad_inputs) for n in nodes]))
@@ -303,7 +310,8 @@ def compare(
             if any(t.nodes and all(n.forward is None for n in t.nodes) for t in traces):
                 note = (
                     "forward values were not recorded in every trace (trace(..., forward_stats=True) records them; "
-                    "--json does): only gradients are compared, and a difference is placed where the gradients show it"
+                    "--json does): they are compared only where every trace has them, and a difference is placed "
+                    "where the gradients first part (a changed weight or op before that node shows there too)"
                 )
     return {
         "first_divergent": first,
