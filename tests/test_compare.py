@@ -326,6 +326,27 @@ def test_parameters_that_differ_by_name_are_named_not_paired_with_other_leaves()
     assert lines[1] == "  parameters differ: 0.bias, 0.weight, 2.bias, 2.weight only in a.json; fc1.bias, fc1.weight, fc2.bias, fc2.weight only in b.json"
 
 
+def test_a_graph_that_uses_one_more_parameter_is_placed_where_the_graphs_part():
+    """One graph uses a parameter the other does not (an expert no token reached): the names still line up, and the
+    structure difference is where the graphs part in creation order, the branch's first node, not a list of names."""
+
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.expert = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x, use_expert=False):
+            h = self.body(x).tanh()
+            return (self.expert(h).sigmoid() if use_expert else h).sum()
+
+    torch.manual_seed(0)
+    model = Gated()
+    plain, branched = trace(model, X, forward_stats=True), trace(model, X, {"use_expert": True}, forward_stats=True)
+    first = compare([plain, branched], labels=[0, 1])["first_divergent"]
+    assert first["kind"] == "structure" and "params_only" not in first
+    assert first["module"] in ("", "expert") and first["rank"] == 1, first
+
+
 def _nudged(model):
     with torch.no_grad():
         model.second.weight[0, 0] += 0.1

@@ -112,10 +112,14 @@ def _parameters_origin(traces: Sequence[Trace], labels: list[int]) -> dict[str, 
     names = [_parameter_leaves(t) for t in traces]
     if len(set(names)) == 1:
         return None
+    reference = Counter(names).most_common(1)[0][0] if len(traces) > 2 else names[0]
+    if not any(n - reference and reference - n for n in names):
+        # one graph has parameters the other lacks, and no others (an expert no token reached on one rank): the
+        # names still line up, and where the graphs part in creation order says more
+        return None
     common = frozenset.intersection(*names)
     only = [sorted(n - common) for n in names]
     if len(traces) > 2:
-        reference = Counter(names).most_common(1)[0][0]
         differing = [i for i, n in enumerate(names) if n != reference]
     else:  # no majority: each trace with a name of its own
         differing = [i for i, o in enumerate(only) if o]
