@@ -689,6 +689,11 @@ def test_a_job_of_one_rank_agrees_with_itself():
     comparison = _compare([_trace_variant(rank=0)])
     assert comparison["first_divergent"] is None and comparison["unsynchronized_params"] == []
     assert [row["rank"] for row in comparison["ranks"]] == [0]
+    # without forward values (--nproc-per-node 1 records none): nothing is compared, so no note says they are missing
+    from tracer_cli import trace
+
+    torch.manual_seed(0)
+    assert not _compare([trace(_Net(), (torch.randn(3, 6),), rank=0, world_size=1)])["note"]
 
 
 def test_compare_identical_traces_agree():

@@ -311,7 +311,7 @@ def compare(
             first = _parameter_origin(traces, labels, rtol, atol)
         else:
             first = _forward_origin(traces, labels, rtol, atol) or _backward_origin(traces, labels, rtol, atol)
-            if any(t.nodes and all(n.forward is None for n in t.nodes) for t in traces):
+            if len(traces) > 1 and any(t.nodes and all(n.forward is None for n in t.nodes) for t in traces):
                 note = (
                     "forward values were not recorded in every trace (trace(..., forward_stats=True) records them; "
                     "--json does): they are compared only where every trace has them, and a difference is placed "
