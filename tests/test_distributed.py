@@ -696,6 +696,31 @@ def test_a_job_of_one_rank_agrees_with_itself():
     assert not _compare([trace(_Net(), (torch.randn(3, 6),), rank=0, world_size=1)])["note"]
 
 
+def test_an_input_of_another_shape_on_one_rank_is_said_to_be_one():
+    """Uneven batches: the origin is the input, and its shapes are given (norms alone did not show why it differs),
+    in the comparison and in its terminal view."""
+    from rich.console import Console
+
+    from tracer_cli import trace
+    from tracer_cli.render.comparison import render_comparison
+
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(5, 6)
+    traces = [
+        trace(model, (x[:rows].clone(),), forward_stats=True, input_grad=True, rank=rank, world_size=2)
+        for rank, rows in enumerate((3, 5))
+    ]
+    first = _compare(traces)["first_divergent"]
+    assert (first["param"], first["ranks"], first["shapes"]) == ("input:0", [1], [[3, 6], [5, 6]])
+    console = Console(width=200, color_system=None)
+    with console.capture() as captured:
+        console.print(render_comparison(_compare(traces)))
+    assert "its shape differs across ranks: (3, 6) on rank 0, (5, 6) on rank 1" in captured.get()
+    # zeros of two shapes have one norm, 0: the shapes alone tell them apart
+    zeros = [trace(model, (torch.zeros(rows, 6),), forward_stats=True, input_grad=True) for rows in (3, 5)]
+    assert _compare(zeros)["first_divergent"]["shapes"] == [[3, 6], [5, 6]]
+
+
 def test_compare_identical_traces_agree():
     comparison = _compare([_trace_variant(rank=0), _trace_variant(rank=1)])
     assert comparison["first_divergent"] is None

@@ -182,7 +182,8 @@ def _forward_origin(traces: Sequence[Trace], labels: list[int], rtol: float, ato
     count = len(reference.nodes)
     known = [all(t.nodes[i].forward is not None for t in traces) for i in range(count)]
     differs = [
-        known[i] and values_differ([t.nodes[i].forward.norm for t in traces], rtol, atol) for i in range(count)
+        known[i] and (values_differ([t.nodes[i].forward.norm for t in traces], rtol, atol) or bool(_shapes_differ(traces, i)))
+        for i in range(count)
     ]
     def inputs_agree(node_id: int) -> bool:
         """Whether every value flowing into the node agrees, looking through nodes with no recorded value."""
@@ -202,8 +203,21 @@ def _forward_origin(traces: Sequence[Trace], labels: list[int], rtol: float, ato
     for node in _creation_sequence(reference):
         if differs[node.id] and inputs_agree(node.id):
             ranks = _differing_ranks([t.nodes[node.id].forward.norm for t in traces], labels, rtol, atol)
-            return _describe(node, "forward", ranks, labels[0])
+            described = _describe(node, "forward", ranks, labels[0])
+            shapes = _shapes_differ(traces, node.id)
+            if shapes:  # (a batch of another size on one rank): said, as norms alone do not show it
+                described["shapes"] = shapes
+                if not ranks:  # the norms agree: the ranks whose shape is not the most common one's
+                    common = Counter(map(tuple, shapes)).most_common(1)[0][0] if len(shapes) > 2 else tuple(shapes[0])
+                    described["ranks"] = [label for label, shape in zip(labels, shapes) if tuple(shape) != common]
+            return described
     return None
+
+
+def _shapes_differ(traces: Sequence[Trace], node_id: int) -> list[list[int]] | None:
+    """Each trace's shape of the node's forward value, where they differ (all recorded); else None."""
+    shapes = [list(t.nodes[node_id].forward.shape) for t in traces]
+    return shapes if any(shape != shapes[0] for shape in shapes) else None
 
 
 def _parameter_origin(traces: Sequence[Trace], labels: list[int], rtol: float, atol: float) -> dict[str, Any] | None:

@@ -60,6 +60,9 @@ def render_comparison(comparison: dict[str, Any]) -> RenderableType:
         text.append(")", style="red")
         parts.append(text)
         parts.append(Text(_KIND_HELP[first["kind"]], style="dim"))
+        if first.get("shapes"):
+            shapes = ", ".join(f"{tuple(shape)} on rank {rank}" for rank, shape in enumerate(first["shapes"]))
+            parts.append(Text(f"its shape differs across ranks: {shapes}", style="red"))
     if unsynchronized:  # not averaged across ranks (no DDP), or what the origin above led to
         shown = listed(unsynchronized, 8)
         parts.append(Text(f"parameter gradients that differ across ranks after backward: {shown}", style="yellow"))

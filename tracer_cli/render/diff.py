@@ -77,6 +77,9 @@ def render_diff(
             value_a, value_b = _values(first["kind"], node_a, node_b)
             what = {"forward": "forward value ‖·‖", "backward": "grad_in ‖·‖"}[first["kind"]]
             parts.append(Text(f"  {what}: {labels[0]}: {value_a}   {labels[1]}: {value_b}"))
+            if first.get("shapes"):
+                shape_a, shape_b = (tuple(shape) for shape in first["shapes"])
+                parts.append(Text(f"  shape: {labels[0]}: {shape_a}   {labels[1]}: {shape_b}", style="red"))
             if first["kind"] == "forward" and first["param"] is not None:
                 # one leaf is the origin; many at once are rather other weights or inputs (another seed, a checkpoint)
                 others = _other_leaves_that_differ(a, comparison, first["id"])
