@@ -960,6 +960,7 @@ def test_no_line_of_a_log_ends_in_spaces(runner, command, monkeypatch):
         (["check", "sample_models/mlp.py", "--junit-xml", "./sample_models/mlp.py"], "would write over a file this run reads"),
         (["check", "sample_models/mlp.py", "--junit-xml", "-"], "--junit-xml -: only --json writes to stdout"),
         (["run", "sample_models/mlp.py", "--ranks", "x"], "--ranks takes 'all' or a comma list"),
+        (["run", "sample_models/mlp.py", "--ranks", ""], "--ranks takes 'all' or a comma list"),  # (printed no tree)
     ],
 )
 def test_usage_errors_say_what_is_wrong(runner, monkeypatch, args, fragment):

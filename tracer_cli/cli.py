@@ -1287,6 +1287,8 @@ def _selected_ranks(text: str, world_size: int) -> list[int]:
         chosen = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError as exc:
         raise UsageError(f"--ranks takes 'all' or a comma list of ranks, not {text!r}") from exc
+    if not chosen:
+        raise UsageError(f"--ranks takes 'all' or a comma list of ranks, not {text!r}", hint="e.g. --ranks 0,2")
     outside = [r for r in chosen if not 0 <= r < world_size]
     if outside:
         raise UsageError(f"--ranks {text}: no rank {outside[0]} in a job of {world_size}")
