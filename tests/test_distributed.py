@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -409,6 +410,44 @@ def test_builtin_launcher_ddp_ranks_agree_with_fail_on(job):
     for rank in (0, 1):
         assert len(j.tree_lines(rank)) == len(doc["ranks"][rank]["nodes"]), j
     assert_no_leftovers(j)
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT])
+def test_builtin_launcher_stopped_by_a_signal_exits_128_plus_it(tmp_path, signal_number):
+    """A job stopped by SIGTERM (a CI runner cancelling it) exits 143 as a shell has it, Ctrl-C 130 (both were
+    130), and leaves no rank behind."""
+    started = tmp_path / "started"
+    model = tmp_path / "sleeps.py"
+    model.write_text(textwrap.dedent(f"""
+        import pathlib, time
+        import torch
+
+        def model(x):
+            pathlib.Path({str(started)!r}).touch()
+            time.sleep(60)
+            return (x * 2).sum()
+
+        def example_inputs():
+            return torch.randn(3)
+    """))
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    process = subprocess.Popen(
+        launcher(str(model)), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not started.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.2)
+        assert started.exists(), process.communicate(timeout=30)
+        process.send_signal(signal_number)
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 128 + signal_number
+    time.sleep(1.0)
+    assert not _session_processes(process.pid)
 
 
 def test_rank_seed_gives_different_inputs_but_no_node_divergence(job):

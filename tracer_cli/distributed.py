@@ -255,8 +255,9 @@ def launch(nproc_per_node: int, argv: Sequence[str]) -> int:
         sys.stderr.write(message + (f"; then {others}" if others else "") + "\n")
         code = first.exitcode
         return code if code > 0 else 128 - code if code < 0 else 1
-    except SignalException:
-        return ExitCode.INTERRUPTED
+    except SignalException as exc:  # the agent stopped its workers: 128 + the signal, as a shell has it (Ctrl-C: 130)
+        signal_number = int(getattr(exc, "sigval", 0))
+        return 128 + signal_number if signal_number > 0 else ExitCode.INTERRUPTED
     finally:
         agent_log.setLevel(agent_level)
         log_folder.cleanup()
