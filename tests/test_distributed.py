@@ -640,6 +640,23 @@ def test_timeout_bounds_a_rank_that_hangs(tmp_path):
     assert_no_leftovers(j)
 
 
+def test_a_check_whose_rank_hangs_still_writes_its_junit_file(tmp_path):
+    """``check --junit-xml`` under the launcher with a rank that hangs: rank 0 writes the file with the target's
+    error (a CI reporter found no file at all), and the job's exit code stands."""
+    import xml.etree.ElementTree as ElementTree
+
+    model = tmp_path / "sleeps_on_rank1.py"
+    model.write_text(SLEEPS_ON_RANK1)
+    report = tmp_path / "report.xml"
+    command = [GRADTRACE, "check", "--nproc-per-node", "2", str(model), "--timeout", "5", "--junit-xml", str(report)]
+    j = run_job(command, tmp_path / "none.json", FAILING_JOB_TIMEOUT_S)
+    assert j.returncode == 3, j
+    assert report.exists(), j
+    errors = ElementTree.parse(report).getroot().iter("error")
+    assert any("did not finish tracing within --timeout 5 s" in (e.get("message", "") + (e.text or "")) for e in errors), report.read_text()
+    assert_no_leftovers(j)
+
+
 def test_leftover_torchrun_variables_are_a_usage_error_not_a_crash(tmp_path):
     """RANK and WORLD_SIZE left from another job, without the rest of torchrun's environment."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}

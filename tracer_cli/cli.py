@@ -1136,6 +1136,7 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
         console = _log_console() if options.command == "check" else None
         code: int = ExitCode.OK
         reports = []
+        target = options.targets[0]
         for target in options.targets:
             result = _trace(
                 options, target, seed=options.seed, input_seed=input_seed, device=device, rank=info.rank,
@@ -1184,6 +1185,9 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
                 hint="the first error above, from another rank, is the cause",
             )
         code = _report(error, options.debug, prefix=info.prefix)
+        if info.rank == 0 and options.command == "check" and options.junit_xml is not None:
+            # a CI job's reporter reads the file whatever happened: the targets checked, and this one's error
+            _write_junit_quietly(options, [*reports, _error_report(options, target, _as_gradtrace_error(error), code)])
         if echo:
             import time
 
@@ -1204,6 +1208,24 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
 
 
 _SLOW_RANK_HINT = "raise --timeout if a rank is only slow; a rank that hangs is stopped when this one exits"
+
+
+def _as_gradtrace_error(error: BaseException) -> GradtraceError:
+    if isinstance(error, GradtraceError):
+        return error
+    from .errors import InternalError
+
+    return InternalError(message_of(error) or type(error).__name__)
+
+
+def _write_junit_quietly(options: _Options, reports: list[Any]) -> None:
+    """The JUnit file of a rank that is failing: written if it can be, as the error itself is what is reported."""
+    from .render.junit import junit_xml
+
+    try:
+        Path(options.junit_xml).write_text(junit_xml(reports), encoding="utf-8")
+    except Exception:  # noqa: BLE001 - the rank's own error is reported already
+        pass
 
 
 def _ranks_text(ranks: list[int]) -> str:
