@@ -761,6 +761,57 @@ def test_gradcheck_fails_a_backward_that_forgets_a_term():
     assert node.module == ""
 
 
+class _ScaledBy(torch.autograd.Function):
+    """``x * w``, its backward scaling the gradients of the arguments named in ``wrong`` by 1.5, in the style of
+    Function whose forward takes no ``ctx`` (``setup_context``)."""
+
+    wrong: tuple[str, ...] = ()
+
+    @staticmethod
+    def forward(x, w):
+        return x * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @classmethod
+    def backward(cls, ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w * (1.5 if "x" in cls.wrong else 1.0), (grad * x).sum(0) * (1.5 if "w" in cls.wrong else 1.0)
+
+
+@pytest.mark.parametrize("wrong", [("x",), ("w",), ("x", "w"), ()])
+@pytest.mark.parametrize("inside", [torch.float64, torch.float32])
+def test_gradcheck_names_the_argument_whose_gradient_is_wrong(wrong, inside):
+    """Of a Function of two tensors, the failing check names the arguments (by forward's signature) whose gradients
+    disagree, each checked alone; float32 inside too."""
+    name = f"Scaled{''.join(wrong)}{str(inside)[-2:]}"
+    function = type(name, (_ScaledBy,), {"wrong": wrong})
+    if inside is torch.float32:
+        function.forward = staticmethod(lambda x, w: (x.float() * w.float()).to(x.dtype))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return function.apply(x, self.w).pow(2).sum()
+
+    torch.manual_seed(0)
+    result = trace(Net(), torch.randn(8, 16), input_grad=True, gradcheck=True)
+    (node,) = result.find(f"{name}Backward")
+    check = node.gradcheck
+    assert check.passed is (not wrong) and check.inputs == wrong, check
+    from tracer_cli.checks import gradcheck_findings
+    from tracer_cli.records import Gradcheck
+
+    assert Gradcheck.from_dict(check.to_dict()) == check
+    details = [finding.detail for finding in gradcheck_findings(result)]
+    assert len(details) == bool(wrong) and all(d.endswith(f"); wrong: the gradient for {', '.join(wrong)}") for d in details), details
+
+
 def _elementwise_function(name: str, forward, derivative) -> type:
     """A custom Function ``forward(x)`` whose backward multiplies by ``derivative(x)``."""
 

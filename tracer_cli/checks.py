@@ -185,13 +185,17 @@ def trace_findings(trace: Trace, thresholds: Thresholds | None = None) -> list[F
     return findings
 
 
+def _wrong_inputs(names: Sequence[str]) -> str:
+    return f"; wrong: the gradient for {', '.join(names)}" if names else ""
+
+
 def gradcheck_findings(trace: Trace) -> list[Finding]:
     """Custom Functions whose backward failed the numerical check (``--gradcheck``)."""
     return [
         Finding(
             "gradcheck",
             "backward does not match the numerical gradient (along random directions; mismatch "
-            f"{_number(node.gradcheck.mismatch)})",
+            f"{_number(node.gradcheck.mismatch)})" + _wrong_inputs(node.gradcheck.inputs),
             node=node.id,
             name=node.name,
             module=node.module,

@@ -158,9 +158,9 @@ def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck | None:
                 return Gradcheck(None, None, f"computes in {name} inside, too coarse for a numerical derivative")
             if inside is torch.float32:
 
-                def at(step: float) -> tuple[float, bool | None, float]:
+                def at(step: float, moved: list[Any] = inputs) -> tuple[float, bool | None, float]:
                     torch.manual_seed(0)  # the same directions and weights at every step
-                    return _directional_mismatch(function, inputs, step, _ROUNDING_FLOAT32, narrow=True)
+                    return _directional_mismatch(function, moved, step, _ROUNDING_FLOAT32, narrow=True)
 
                 passed, step = True, _STEP_FLOAT32
                 mismatch, agree, noise = at(step)
@@ -174,17 +174,51 @@ def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck | None:
                     mismatch, agree, noise = smaller
                 if noise > _NOISE_FLOAT32 and agree is not None:
                     return Gradcheck(None, mismatch, "computes in float32 inside, whose rounding hides the derivative at these inputs")
+
+                def alone(moved: list[Any]) -> bool | None:
+                    return at(step, moved)[1]
             else:
                 passed = torch.autograd.gradcheck(
                     function, tuple(inputs), fast_mode=True, raise_exception=False, check_undefined_grad=False
                 )
                 mismatch, agree, _ = _directional_mismatch(function, inputs)
+
+                def alone(moved: list[Any]) -> bool | None:
+                    torch.manual_seed(0)
+                    return _directional_mismatch(function, moved)[1]
+
+            if agree is None:  # PyTorch's check is misled by the same kink
+                why = "not differentiable at the inputs it was called with (a kink, like ReLU's at 0)"
+                return Gradcheck(None, mismatch, why)
+            if bool(passed) and agree:
+                return Gradcheck(True, mismatch, None)
+            # which arguments' gradients are wrong: each checked alone, the others held still
+            differentiable = [index for index, x in enumerate(inputs) if x.requires_grad]
+            wrong = [
+                index for index in differentiable
+                if len(differentiable) > 1 and alone([x if i == index else x.detach() for i, x in enumerate(inputs)]) is False
+            ]
+            return Gradcheck(False, mismatch, None, tuple(_argument_name(cls, positions[index]) for index in wrong))
     except Exception as exc:  # the Function does not run in float64, or raised: report it
         return Gradcheck(None, None, first_line(exc, 300))
-    if agree is None:  # PyTorch's check is misled by the same kink
-        why = "not differentiable at the inputs it was called with (a kink, like ReLU's at 0)"
-        return Gradcheck(None, mismatch, why)
-    return Gradcheck(bool(passed) and agree, mismatch, None)
+
+
+def _argument_name(cls: type, position: int) -> str:
+    """The name of the Function's ``position``-th argument in its forward's signature (after ``ctx``, where forward
+    takes one), else ``argument N``."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(cls.forward).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    if parameters and parameters[0].name == "ctx":
+        parameters = parameters[1:]
+    if position < len(parameters) and parameters[position].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ):
+        return parameters[position].name
+    return f"argument {position}"
 
 
 def _inner_dtype(function: Any, inputs: list[Any]) -> Any:

@@ -175,18 +175,22 @@ class Gradcheck:
         mismatch: relative difference between the analytical and the numerical
             directional derivative (a random direction), the figure behind the verdict.
         error: why it could not run or gave no verdict.
+        inputs: where it failed, the arguments of the Function's forward whose gradients disagree with the
+            numerical ones, each checked alone (their names in forward's signature); empty where none does
+            alone, or where it passed.
     """
 
     passed: bool | None
     mismatch: float | None = None
     error: str | None = None
+    inputs: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "mismatch": encode_float(self.mismatch), "error": self.error}
+        return {"passed": self.passed, "mismatch": encode_float(self.mismatch), "error": self.error, "inputs": list(self.inputs)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Gradcheck:
-        return cls(data.get("passed"), decode_float(data.get("mismatch")), data.get("error"))
+        return cls(data.get("passed"), decode_float(data.get("mismatch")), data.get("error"), tuple(data.get("inputs") or ()))
 
 
 class Node(NamedTuple):

@@ -147,6 +147,8 @@ def _append_checks(text: Text, node: Node) -> None:
             text.append(f"  gradcheck ✓ ({format_norm(check.mismatch)})", style="green")
         elif check.passed is False:
             text.append(f"  gradcheck ✗ mismatch {format_norm(check.mismatch)}", style=_NONFINITE)
+            if check.inputs:
+                text.append(f" (the gradient for {listed(list(check.inputs), 4)})", style=_NONFINITE)
         elif check.mismatch is not None:  # it ran, without a verdict
             text.append(f"  gradcheck ? {check.error}", style="dim")
         else:
