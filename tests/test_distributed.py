@@ -643,7 +643,7 @@ def test_timeout_bounds_a_rank_that_hangs(tmp_path):
 def test_a_check_whose_rank_hangs_still_writes_its_junit_file(tmp_path):
     """``check --junit-xml`` under the launcher with a rank that hangs: rank 0 writes the file with the target's
     error (a CI reporter found no file at all), and the job's exit code stands."""
-    import xml.etree.ElementTree as ElementTree
+    from xml.etree import ElementTree
 
     model = tmp_path / "sleeps_on_rank1.py"
     model.write_text(SLEEPS_ON_RANK1)

@@ -806,7 +806,6 @@ def _trace(
         import torch
 
         from .errors import UserCodeError
-
         from .inputs import InputSnapshot
 
         devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
@@ -1224,7 +1223,7 @@ def _write_junit_quietly(options: _Options, reports: list[Any]) -> None:
 
     try:
         Path(options.junit_xml).write_text(junit_xml(reports), encoding="utf-8")
-    except Exception:  # noqa: BLE001 - the rank's own error is reported already
+    except Exception:  # noqa: BLE001, S110 - the rank's own error is reported already
         pass
 
 
