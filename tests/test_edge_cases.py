@@ -1238,6 +1238,104 @@ def test_a_leaf_made_inside_a_module_belongs_to_the_module_that_used_it():
     assert unnamed[0].grad_outputs[0].norm == pytest.approx((3 * 2.0**2) ** 0.5)  # d(sum)/d(bias) = 2 per element (2 rows)
 
 
+class _Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.where(h > 0, h.sqrt(), torch.zeros_like(h))  # sqrt of a negative: nan in backward
+
+
+class _ExpertsInThreads(nn.Module):
+    """Runs its experts in a thread pool's threads, whose sequence numbers count apart from the tracing thread's."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.pool = pool
+        self.experts = nn.ModuleList([_Expert(), nn.Sequential(nn.Linear(4, 4), nn.Tanh())])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        outs = list(self.pool.map(lambda expert: expert(x), self.experts))
+        return self.head(outs[0] + outs[1]).sum()
+
+
+def test_nodes_made_in_other_threads_belong_to_the_module_that_made_them(tmp_path):
+    """Sequence numbers count per thread: an expert run in a pool's thread numbers its nodes with that thread's
+    counter, which overlaps the tracing thread's (all fresh threads here, counting from about 0). Its nodes
+    belong to the expert, not to a module the tracing thread ran under the same numbers (head), and their
+    creation site is never the tracing thread's line."""
+    import inspect
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tracer_cli.checks import trace_findings
+
+    torch.manual_seed(0)
+    results = []
+    with ThreadPoolExecutor(2) as pool:
+        model = _ExpertsInThreads(pool)
+        x = torch.randn(3, 4)
+        tracing = threading.Thread(target=lambda: results.append(trace(model, (x,))))  # a fresh counter too
+        tracing.start()
+        tracing.join()
+    (result,) = results
+    labels = [(n.name, n.param, n.module, n.source) for n in result.nodes]
+    for addmm in result.find("AddmmBackward0"):
+        (transpose,) = [result.nodes[j] for j in addmm.next if j is not None and result.nodes[j].name == "TBackward0"]
+        owner = result.nodes[transpose.next[0]].param.rsplit(".", 1)[0]
+        assert addmm.module == transpose.module == owner, labels
+    assert one(result, "SqrtBackward0").module == "experts.0", labels
+    assert one(result, "WhereBackward0").module == "experts.0", labels
+    assert one(result, "TanhBackward0").module == "experts.1.1", labels
+    assert one(result, "AddBackward0").module == "", labels
+    assert one(result, "SumBackward0").module == "", labels
+    expert_lines = inspect.getsourcelines(_Expert.forward)
+    expert_lines = range(expert_lines[1], expert_lines[1] + len(expert_lines[0]))
+    for node in result.nodes:
+        if node.module and node.module.startswith("experts") and node.source is not None:
+            assert int(node.source.rsplit(":", 1)[1]) in expert_lines, labels  # not the line that ran the pool
+    origin = result.nonfinite_origin()
+    assert origin.name == "SqrtBackward0" and origin.module == "experts.0"
+    (nonfinite,) = [f for f in trace_findings(result) if f.kind == "nonfinite"]
+    assert nonfinite.module == "experts.0"
+
+
+class _ExpertWithASideLoss(_Expert):
+    def forward(self, x):
+        out = super().forward(x)
+        self.side = (out * out).mean()  # made in the pool's thread, out of reach of the expert's output
+        return out
+
+
+def test_nodes_another_thread_made_out_of_its_outputs_reach_are_in_no_module_rather_than_a_wrong_one():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(0)
+    results = []
+    with ThreadPoolExecutor(2) as pool:
+        model = _ExpertsInThreads(pool)
+        model.experts[0] = _ExpertWithASideLoss()
+        x = torch.randn(3, 4)
+        with_side = lambda out: out + model.experts[0].side  # noqa: E731
+        tracing = threading.Thread(target=lambda: results.append(trace(model, (x,), loss_fn=with_side)))
+        tracing.start()
+        tracing.join()
+    (result,) = results
+    labels = [(n.name, n.param, n.module, n.source) for n in result.nodes]
+    assert one(result, "MeanBackward0").module is None, labels
+    assert one(result, "MulBackward0").module is None, labels
+    assert one(result, "SqrtBackward0").module == "experts.0", labels
+    assert one(result, "TanhBackward0").module == "experts.1.1", labels
+    # the tracing thread's nodes are in their own modules, or, under a number the side loss took, in none
+    assert one(result, "AddBackward0", module="").module == ""
+    (head_t,) = [n for n in result.find("TBackward0") if result.nodes[n.next[0]].param == "head.weight"]
+    assert head_t.module in ("head", None), labels
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_loss_rule_reduces_half_precision_outputs_in_float32(dtype):
     """The sum of 20,480 values around 10 is 204,800: past float16's largest value, although the model is fine."""

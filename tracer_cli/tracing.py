@@ -9,6 +9,9 @@ How it works (see AUTOGRAD_FACTS.md for the measurements behind each choice):
   inside an op (``TBackward0`` of ``F.linear``) and custom Function nodes. Nodes
   that a backward run in forward made in another thread (a GPU's engine thread)
   are numbered as made where it was called (_renumbering_inner_backwards).
+  Modules of the model that run in another thread (a thread pool's experts) number
+  their nodes by that thread's counter: each such call claims the nodes it made
+  by a walk back from its output (_ModuleTracker._left_elsewhere).
 * Creation sites, the same way: line events of the user's frames (``sys.settrace``)
   mark the sequence number each line's ops take.
 * Hooks. After forward, the graph is walked from the loss and a post-hook is put
@@ -338,6 +341,11 @@ class _ModuleTracker:
         self.scripted_root = False  # whether the model itself is a TorchScript module (no hooks: see root_call)
         self.bound_seqs: list[int] = []
         self.bound_modules: list[str | None] = []
+        # modules of the model run in another thread while recording (see _left_elsewhere): node -> its module, the
+        # numbers each thread's claimed nodes took, and the numbers each thread's outermost module calls spanned
+        self.claimed: dict[Any, str] = {}
+        self.claimed_seqs: dict[int, set[int]] = {}
+        self.spans_elsewhere: dict[int, list[tuple[int, int]]] = {}
         # creation sites' trace function while line events are recorded in this thread (see _opaque_modules)
         self.line_tracer: Callable | None = None
 
@@ -476,10 +484,12 @@ class _ModuleTracker:
                 if quiet:
                     settrace(None)  # first: the calls below are not traced either
                 enter(name, module, args)
+                output = None
                 try:
-                    return module.forward(*args, **kwargs)
+                    output = module.forward(*args, **kwargs)
+                    return output
                 finally:
-                    exit_(name, module, args, None)
+                    exit_(name, module, args, output)
                     if quiet:
                         settrace(self.line_tracer)  # last, for the same reason
 
@@ -505,6 +515,11 @@ class _ModuleTracker:
             self.bound_modules.append(name)
             if hold:
                 self._hold(name, module, args)
+        else:
+            entered = getattr(local, "entered", None)
+            if entered is None:
+                entered = local.entered = []
+            entered.append((name, self._next_sequence_nr()))  # this thread's number, for _left_elsewhere
 
     def _hold(self, name: str, module: Any, args: Any) -> None:
         """Name the parameters the module holds that are not the model's own (FSDP2's unsharded ones)."""
@@ -528,6 +543,77 @@ class _ModuleTracker:
                 seq += self._output_hook_node(module, output)
             self.bound_seqs.append(seq)
             self.bound_modules.append(stack[-1] if stack else None)
+        else:
+            self._left_elsewhere(name, args, output)
+
+    def _left_elsewhere(self, name: str, args: Any, output: Any) -> None:
+        """A module call in a thread other than the recording one ends: it claims the nodes it made.
+
+        That thread numbers its nodes by its own counter, which the recording thread's boundaries cannot place.
+        The nodes the call made are those reachable from its output, back to its inputs, that took this
+        thread's numbers meanwhile (a node made earlier feeds no node made later: the walk stops at the first
+        one outside them). Inner modules end first, and claim first. Nodes the call made that its output does
+        not reach (a side output kept in an attribute) cannot be told from the recording thread's nodes under
+        the same numbers: the numbers each thread's outermost calls spanned are kept, for :meth:`placed_elsewhere`.
+        """
+        import torch
+
+        entered = getattr(self._local, "entered", None)
+        if not entered:
+            return
+        for position in range(len(entered) - 1, -1, -1):
+            if entered[position][0] == name:
+                first = entered[position][1]
+                del entered[position:]
+                break
+        else:
+            return
+        if self._record_thread is None:  # not while forward runs: backward's threads (a reentrant checkpoint)
+            return
+        thread, made = threading.get_ident(), range(first, self._next_sequence_nr())
+        if not made:
+            return
+        if not entered:
+            self.spans_elsewhere.setdefault(thread, []).append((made.start, made.stop))
+        claimed, claimed_seqs = self.claimed, self.claimed_seqs.setdefault(thread, set())
+        if isinstance(output, dict):  # a ModelOutput, a dict of tensors
+            output = list(output.values())
+        known = {t.grad_fn for t in _tensors_in(args, torch.Tensor)}  # made before the call, maybe in another thread
+        stack = [t.grad_fn for t in _tensors_in(output, torch.Tensor)]
+        seen: set[Any] = set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node in known:
+                continue
+            seen.add(node)
+            seq = node._sequence_nr()
+            if seq not in made:
+                continue
+            if node not in claimed:
+                claimed[node] = name
+                claimed_seqs.add(seq)
+            stack.extend(child for child, _ in node.next_functions)
+
+    def placed_elsewhere(self, nodes: list[Any], seqs: list[int]) -> dict[int, str | None]:
+        """Position -> module of each node made in another thread while recording: the module call that claimed
+        it, or None where its number lies in another thread's module calls and no claimed node of that thread
+        took it (it may be that thread's, made out of its output's reach): no module rather than a wrong one."""
+        spans = {}
+        for thread, calls in self.spans_elsewhere.items():
+            calls.sort()
+            spans[thread] = ([start for start, _ in calls], [stop for _, stop in calls], self.claimed_seqs.get(thread, ()))
+        placed: dict[int, str | None] = {}
+        for position, (node, seq) in enumerate(zip(nodes, seqs)):
+            module = self.claimed.get(node, _MISSING)
+            if module is not _MISSING:
+                placed[position] = module
+                continue
+            for starts, stops, taken in spans.values():
+                call = bisect.bisect_right(starts, seq) - 1
+                if call >= 0 and seq < stops[call] and seq not in taken:
+                    placed[position] = None
+                    break
+        return placed
 
     def _output_hook_node(self, module: Any, output: Any) -> int:
         """1 where the module's full backward hooks will wrap its output in a node after this hook has run
@@ -2157,6 +2243,10 @@ class _TraceSession:
             as_pair = self.sites.site
             formatted = {site: _format_site(as_pair(site)) for site in set(sites)}
             sources = list(map(formatted.__getitem__, sites))
+        if self.tracker.spans_elsewhere:  # modules run in other threads, whose numbers the lookups above cannot place
+            for position, module in self.tracker.placed_elsewhere(kept, seqs).items():
+                # no site: lines are recorded in the recording thread only
+                modules[position], sources[position], stacks[position] = module, None, None
         params: list[str | None] = [None] * len(kept)
         own, held, inputs = self.leaves.get, self.tracker.held.get, self.input_names.get
         for position in leaves:
@@ -2293,6 +2383,7 @@ class _TraceSession:
         """
         self.forward_values.clear()  # these hold nodes in forward order: leaves first
         self.renumbered.clear()
+        self.tracker.claimed.clear()
         self.custom_calls.clear()
         self.log.clear()
         self.index.clear()  # the nodes are still in self.nodes
