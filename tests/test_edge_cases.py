@@ -1473,3 +1473,25 @@ def test_a_nan_made_after_vmap_of_grad_is_found_by_its_forward_value():
     assert result.forward_nonfinite_origin().name == "LogBackward0"
     with torch.no_grad():
         assert torch.isnan(torch.log(-x.abs())).all() and math.isfinite(float(model(x)))
+
+
+def test_forward_values_of_an_in_place_op_on_a_subclass_without_a_base_do_not_break_forward():
+    """Forward values look at the view an in-place op changed (its ``_base``): a tensor subclass whose ``_base``
+    raises is recorded as itself, and the user's forward runs on (it raised from gradtrace's mode)."""
+
+    class NoBase(torch.Tensor):
+        @property
+        def _base(self):
+            raise RuntimeError("this tensor keeps no base")
+
+    def model(w):
+        h = (w * 2).as_subclass(NoBase)
+        h.add_(1)
+        return h.sum()
+
+    w = torch.randn(3, requires_grad=True)
+    result = trace(model, (w,), forward_stats=True)
+    plain = w.detach().clone().requires_grad_(True)
+    (plain * 2 + 1).sum().backward()
+    assert result.meta.loss == pytest.approx(float((w.detach() * 2 + 1).sum()))
+    assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(plain.grad.norm().item())

@@ -1020,7 +1020,11 @@ def _forward_mode_class() -> type:
                     # an in-place op (h[0, 3] = x returns None): the tensor it changed, and the tensor a changed
                     # view belongs to, whose node (CopySlices) the ops after it use
                     changed = args[0]
-                    session.record_forward(changed if changed._base is None else (changed, changed._base))
+                    try:
+                        base = changed._base
+                    except Exception:  # a tensor subclass without one: never break the user's forward
+                        base = None
+                    session.record_forward(changed if base is None else (changed, base))
             return output
 
     return _ForwardMode
