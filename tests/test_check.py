@@ -836,3 +836,14 @@ def test_api_thresholds_and_checks_that_would_pass_silently_are_value_errors():
                    {"fail_on": "divergence"}, {"fail_on": "zero", "warn_on": "zero"}):
         with pytest.raises(ValueError):
             assert_gradients_healthy(model, (x,), **kwargs)
+
+
+def test_thresholds_switched_off_check_no_norm(runner):
+    """``--max-grad-norm inf --min-grad-norm 0`` (how a configured threshold is unset) can flag nothing: ``norm`` is
+    not said to be checked, nor made to fail; a finite bound or a positive floor is."""
+    assert not Thresholds(math.inf, 0.0).active and not Thresholds(math.inf, None).active
+    assert Thresholds(1e9, None).active and Thresholds(None, 1e-9).active
+    off = check(runner, sample("mlp"), "--max-grad-norm", "inf", "--min-grad-norm", "0")
+    assert off.exit_code == 0 and "(nonfinite, nograd, zero checked)" in off.stdout, off.stdout
+    on = check(runner, sample("mlp"), "--max-grad-norm", "1e9")
+    assert on.exit_code == 0 and "(nonfinite, nograd, zero, norm checked)" in on.stdout, on.stdout

@@ -97,7 +97,8 @@ class Thresholds:
 
     @property
     def active(self) -> bool:
-        return self.max_grad_norm is not None or self.min_grad_norm is not None
+        """Whether a bound can be crossed (``--max-grad-norm inf`` and ``--min-grad-norm 0`` unset a configured one)."""
+        return (self.max_grad_norm is not None and self.max_grad_norm < math.inf) or bool(self.min_grad_norm)
 
 
 @dataclass(frozen=True)

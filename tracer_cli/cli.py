@@ -191,7 +191,7 @@ _INPUT = typer.Option(
 )
 _INPUTS = typer.Option(
     None, "--inputs", metavar="FILE", help="Inputs from a .pt file of tensors (loaded with "
-    "weights_only=True) or a .json list of specs.", show_default=False,
+    "weights_only=True) or a .json list of specs (or an object of NAME: SPEC, keyword arguments).", show_default=False,
 )
 _SEED = typer.Option(0, "--seed", help="Seed set before the model and the inputs are built.")
 _DEVICE = typer.Option(
