@@ -54,7 +54,7 @@ def render_comparison(comparison: dict[str, Any]) -> RenderableType:
         where = first["param"] or (f"in {first['module'] or '<root>'}" if first["module"] is not None else "outside any module")
         text = Text("first divergence: ", style="bold red")
         text.append(f"{first['kind']} at #{first['id']} {short_name(first['name'])} {where}", style="bold red")
-        text.append(f"  ({who_differs(first['ranks'])}", style="red")
+        text.append(f"  ({who_differs(first['ranks'], len(comparison['ranks']))}", style="red")
         if first["kind"] == "structure" and first.get("rank") is not None:
             text.append(f"; #{first['id']} of rank {first['rank']}'s graph", style="red")
         text.append(")", style="red")
