@@ -777,6 +777,26 @@ def test_an_input_of_another_shape_on_one_rank_is_said_to_be_one():
     assert _compare(zeros)["first_divergent"]["shapes"] == [[3, 6], [5, 6]]
 
 
+def test_of_two_ranks_neither_is_blamed_of_three_the_odd_one_is():
+    """With two ranks either may be the one that is off (rank 0's weight changed read as "rank 1 differs"); with
+    three, the one that disagrees with the others is named."""
+    from rich.console import Console
+
+    from tracer_cli.checks import comparison_findings
+    from tracer_cli.render.comparison import render_comparison
+
+    changed = _trace_variant(rank=0, scale=2.0)
+    two = _compare([changed, _trace_variant(rank=1)])
+    console = Console(width=200, color_system=None)
+    with console.capture() as captured:
+        console.print(render_comparison(two))
+    assert "(ranks 0 and 1 differ)" in captured.get() and "rank 1 differs" not in captured.get()
+    assert "ranks 0 and 1 differ here" in comparison_findings(two)[0].detail
+    three = _compare([changed, _trace_variant(rank=1), _trace_variant(rank=2)])
+    assert three["first_divergent"]["ranks"] == [0]
+    assert "rank 0 differs here" in comparison_findings(three)[0].detail
+
+
 def test_compare_identical_traces_agree():
     comparison = _compare([_trace_variant(rank=0), _trace_variant(rank=1)])
     assert comparison["first_divergent"] is None
