@@ -811,7 +811,10 @@ def _trace(
         devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
         # forward values let ranks, or two JSON files (gradtrace diff), be compared
         forward_stats = world_size > 1 or options.json_path is not None
-        inputs = InputSnapshot(prepared.args, prepared.kwargs)  # a step traced again starts from the same inputs
+        # a step traced again (below: in one process, without input gradients or for forward values) starts from
+        # the same inputs
+        again_possible = world_size == 1 and (options.input_grad or not forward_stats)
+        inputs = InputSnapshot(*((prepared.args, prepared.kwargs) if again_possible else ((), {})))
         try:
             with torch.random.fork_rng(devices=devices):  # a step traced again starts from the same random state
                 result = step(forward_stats=forward_stats)
