@@ -284,13 +284,16 @@ def test_module_view_cut_short_still_draws_where_the_nan_starts(limit):
     assert counted == footer == len(result.nodes) - limit
 
 
-def test_module_view_cut_short_still_draws_a_marked_node():
-    """A node marked (where ranks or files diverge) is drawn with its mark, however early --max-nodes cuts."""
+def test_module_view_cut_short_still_draws_a_pinned_node():
+    """A node pinned (where ranks start to differ) is drawn with its mark, however early --max-nodes cuts, and
+    however many other nodes are marked (every node after it differs too: they are not drawn for that)."""
     result = sample_trace("transformer")
     last = max(result.nodes, key=lambda node: (node.module or "").count(".") * 1000 + node.id)  # deep, and late
-    text = render_text(result, TreeOptions(max_nodes=2, marks={last.id: "differs on rank 1"}))
+    marks = {node.id: "≠ differs across ranks" for node in result.nodes}
+    marks[last.id] = "≠ origin of the divergence"
+    text = render_text(result, TreeOptions(max_nodes=2, marks=marks, pinned=(last.id,)))
     (line,) = [line for line in text.splitlines() if f"── #{last.id} " in line]
-    assert "differs on rank 1" in line
+    assert "origin of the divergence" in line
 
 
 def test_a_node_with_a_thousand_gradients_is_one_short_line():

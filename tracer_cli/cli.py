@@ -1252,13 +1252,16 @@ def _rank_lines(options: _Options, console: Any, traces: list[Any], comparison: 
     """The selected ranks' trees (divergent nodes marked) and the comparison, each line prefixed."""
     from dataclasses import replace
 
-    from .render.comparison import divergence_marks, prefixed_lines, render_comparison
+    from .render.comparison import divergence_marks, divergence_origin, prefixed_lines, render_comparison
     from .render.tree import render_trace
 
     lines = []
     if options.show_tree:
         for rank in _selected_ranks(options.ranks, len(traces)):
-            tree_options = replace(options.tree, marks=divergence_marks(comparison, rank))
+            origin = divergence_origin(comparison, rank)
+            tree_options = replace(
+                options.tree, marks=divergence_marks(comparison, rank), pinned=() if origin is None else (origin,)
+            )
             lines += prefixed_lines(console, render_trace(traces[rank], tree_options), f"[rank{rank}] ")
     return lines + prefixed_lines(console, render_comparison(comparison), "[rank0] ")
 

@@ -25,10 +25,19 @@ def divergence_marks(comparison: dict[str, Any], rank: int | None = None) -> dic
         spreads = [decode_float(entry.get(key)) for key in ("forward", "grad_inputs", "grad_outputs")]
         if any(s is not None and (math.isnan(s) or s > rtol) for s in spreads):
             marks[entry["id"]] = "≠ differs across ranks"
+    origin = divergence_origin(comparison, rank)
+    if origin is not None:
+        marks[origin] = f"≠ origin of the divergence ({comparison['first_divergent']['kind']})"
+    return marks
+
+
+def divergence_origin(comparison: dict[str, Any], rank: int | None = None) -> int | None:
+    """The id of the divergence's origin in ``rank``'s trace: none where it is a structure divergence's node of
+    another rank's graph (the same id is another node there)."""
     first = comparison.get("first_divergent")
     if first is not None and (first["kind"] != "structure" or rank is None or first.get("rank", rank) == rank):
-        marks[first["id"]] = f"≠ origin of the divergence ({first['kind']})"
-    return marks
+        return first["id"]
+    return None
 
 
 def render_comparison(comparison: dict[str, Any]) -> RenderableType:

@@ -46,6 +46,8 @@ class TreeOptions:
             match are shown.
         marks: node id → a note shown in red on its line (e.g. a divergence).
         show_stack: show each node's recorded user stack (``--stack``) under its line.
+        pinned: nodes the module view draws however early ``max_nodes`` cuts, besides those the summary names
+            (e.g. where ranks start to differ).
     """
 
     view: str = "modules"
@@ -54,6 +56,7 @@ class TreeOptions:
     pattern: str | None = None
     marks: Mapping[int, str] = field(default_factory=dict)
     show_stack: bool = False
+    pinned: tuple[int, ...] = ()
 
 
 def format_norm(norm: float | None) -> str:
@@ -529,11 +532,12 @@ def render_tree(trace: Trace, options: TreeOptions | None = None) -> tuple[Tree,
 
 def _pinned(trace: Trace, options: TreeOptions) -> list[int]:
     """The nodes the module view shows however many lines the others take (at most ``max_nodes`` of them, in
-    this order): where a NaN or infinity starts, the marked ones (a divergence), failed checks, and the nodes
-    the summary names for the largest and the smallest gradient, among those ``--filter`` keeps."""
+    this order): where a NaN or infinity starts, those the caller pins (where ranks start to differ), failed
+    checks, and the nodes the summary names for the largest and the smallest gradient, among those ``--filter``
+    keeps."""
     summary = trace._summary
     wanted = [entry["id"] for entry in (summary["first_nonfinite"], summary["first_nonfinite_forward"]) if entry]
-    wanted += sorted(options.marks)
+    wanted += options.pinned
     wanted += [n.id for n in trace.nodes if n.gradcheck is not None and n.gradcheck.passed is False]
     wanted += [n.id for n in trace.nodes if n.replay is not None and n.replay.reproducible is False]
     wanted += [entry["id"] for entry in (summary["largest_grad"], summary["smallest_nonzero_grad"]) if entry]
