@@ -1320,7 +1320,7 @@ def test_nodes_another_thread_made_out_of_its_outputs_reach_are_in_no_module_rat
         model = _ExpertsInThreads(pool)
         model.experts[0] = _ExpertWithASideLoss()
         x = torch.randn(3, 4)
-        with_side = lambda out: out + model.experts[0].side  # noqa: E731
+        with_side = lambda out: out + model.experts[0].side
         tracing = threading.Thread(target=lambda: results.append(trace(model, (x,), loss_fn=with_side)))
         tracing.start()
         tracing.join()

@@ -1252,7 +1252,12 @@ def _rank_lines(options: _Options, console: Any, traces: list[Any], comparison: 
     """The selected ranks' trees (divergent nodes marked) and the comparison, each line prefixed."""
     from dataclasses import replace
 
-    from .render.comparison import divergence_marks, divergence_origin, prefixed_lines, render_comparison
+    from .render.comparison import (
+        divergence_marks,
+        divergence_origin,
+        prefixed_lines,
+        render_comparison,
+    )
     from .render.tree import render_trace
 
     lines = []

@@ -1022,7 +1022,7 @@ def _forward_mode_class() -> type:
                     changed = args[0]
                     try:
                         base = changed._base
-                    except Exception:  # a tensor subclass without one: never break the user's forward
+                    except Exception:  # noqa: BLE001 - a tensor subclass without one: never break the user's forward
                         base = None
                     session.record_forward(changed if base is None else (changed, base))
             return output
