@@ -1086,6 +1086,27 @@ def test_a_step_traced_again_starts_from_the_inputs_the_first_one_had(runner, tm
     assert document["param_grads"]["emb.weight"]["norm"] == pytest.approx(plain.emb.weight.grad.norm().item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("options", [[], ["--no-input-grad"]])
+def test_inputs_made_in_inference_mode_are_traced(runner, tmp_path, options):
+    """Inference tensors (``example_inputs()`` under ``torch.inference_mode``) track no version counter: the copy
+    kept for a second attempt leaves them out (it ended the run with exit 70)."""
+    model = write_model(
+        tmp_path,
+        """
+        import torch
+
+        model = torch.nn.Linear(4, 2)
+
+        def example_inputs():
+            with torch.inference_mode():
+                return torch.ones(3, 4)
+        """,
+    )
+    result = invoke(runner, "run", str(model), *options)
+    assert result.exit_code == 0, result.output
+    assert "AddmmBackward0" in result.stdout
+
+
 def test_an_input_seed_changes_the_inputs_but_not_the_model(tmp_path):
     """--rank-seed gives each rank its own data and the same model, as data parallelism has it."""
     from tracer_cli.loading import prepare_run

@@ -430,16 +430,24 @@ def _load_failure(err: Exception) -> str:
 class InputSnapshot:
     """The values of the input tensors before a step, to put back before the step is traced again: a forward
     that changes its inputs in place (``ids.add_(1)``, ``x.sub_(mean)``) would otherwise be traced again on
-    what the first attempt left in them. A copy of each tensor is kept (inputs are small beside a step's
-    activations); only those changed since are written back."""
+    what the first attempt left in them. A copy of each tensor is kept, in host memory (inputs are small
+    beside a step's activations; a device's memory is not doubled); only those changed since are written back.
+    Inference tensors (made under ``torch.inference_mode``), which nothing outside it can change, and tensors
+    without data (the meta device's, a subclass's) are not kept."""
 
     def __init__(self, args: tuple, kwargs: dict) -> None:
         import torch
 
         self._torch = torch
-        tensors = _tensors_of((args, kwargs), torch.Tensor)
+        self._saved: list[tuple[Any, int, Any]] = []
         with torch.no_grad():
-            self._saved = [(tensor, tensor._version, tensor.detach().clone()) for tensor in tensors]
+            for tensor in _tensors_of((args, kwargs), torch.Tensor):
+                if tensor.is_inference() or tensor.is_meta or type(tensor) is not torch.Tensor:
+                    continue
+                try:
+                    self._saved.append((tensor, tensor._version, tensor.detach().to("cpu", copy=True)))
+                except RuntimeError:  # no data to copy (a sparse layout without it, ...): not kept
+                    continue
 
     def restore(self) -> None:
         with self._torch.no_grad():
