@@ -10,6 +10,7 @@ run (``reference.py``), never from the tracer itself.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 
@@ -1301,6 +1302,71 @@ def test_nodes_made_in_other_threads_belong_to_the_module_that_made_them(tmp_pat
     assert origin.name == "SqrtBackward0" and origin.module == "experts.0"
     (nonfinite,) = [f for f in trace_findings(result) if f.kind == "nonfinite"]
     assert nonfinite.module == "experts.0"
+
+
+class _KeywordExperts(nn.Module):
+    """Computes in the tracing thread first (``pre``, then ``h * 2``), then runs its experts in a pool's threads
+    with keyword arguments (``expert(x=h)``, as Hugging Face-style code calls modules)."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.pool = pool
+        self.pre = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+        self.experts = nn.ModuleList([_Expert(), nn.Sequential(nn.Linear(4, 4), nn.Tanh())])
+
+    def forward(self, x):
+        h = self.pre(x) * 2
+        futures = [self.pool.submit(lambda expert=expert: expert(x=h) if isinstance(expert, _Expert) else expert(h))
+                   for expert in self.experts]
+        outs = [future.result() for future in futures]
+        return (outs[0] + outs[1]).sum()
+
+
+class _KeywordExpert(_Expert):
+    def forward(self, x=None):
+        y = self.fc(x)
+        for _ in range(60):  # more numbers than the tracing thread took before it: the ranges overlap
+            y = y * 1.0
+        return torch.where(y > 0, y.sqrt(), torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("hooks", ["direct calls", "module hooks", "global hooks"])
+def test_a_module_another_thread_calls_with_keyword_arguments_claims_its_nodes_alone(hooks):
+    """The walk back from a pool thread's module output stops at its inputs, keyword arguments too: it took the
+    tracing thread's nodes under the same numbers (``pre``'s layers, ``h * 2``) for the expert's, whichever way
+    gradtrace sees module calls (called directly; through hooks of the model's own; through global hooks)."""
+    import inspect
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.nn.modules.module import register_module_forward_hook
+
+    if hooks == "global hooks" and "with_kwargs" not in inspect.signature(register_module_forward_hook).parameters:
+        pytest.skip("this torch gives global module hooks no keyword arguments (the README says so)")
+    torch.manual_seed(0)
+    results = []
+    with ThreadPoolExecutor(2) as pool, contextlib.ExitStack() as stack:
+        model = _KeywordExperts(pool)
+        model.experts[0] = _KeywordExpert()
+        if hooks == "module hooks":
+            stack.enter_context(model.pre.register_forward_hook(lambda *args: None))
+        elif hooks == "global hooks":
+            stack.enter_context(register_module_forward_hook(lambda *args: None))
+        x = torch.randn(3, 4)
+        tracing = threading.Thread(target=lambda: results.append(trace(model, (x,))))  # a fresh counter too
+        tracing.start()
+        tracing.join()
+    (result,) = results
+    labels = [(n.name, n.param, n.module) for n in result.nodes]
+    for addmm in result.find("AddmmBackward0"):
+        (transpose,) = [result.nodes[j] for j in addmm.next if j is not None and result.nodes[j].name == "TBackward0"]
+        owner = result.nodes[transpose.next[0]].param.rsplit(".", 1)[0]
+        assert addmm.module == transpose.module == owner, labels
+    assert {n.module for n in result.find("ReluBackward0")} == {"pre.1", "pre.3"}, labels
+    (doubled,) = [n for n in result.find("MulBackward0") if any(j is not None and result.nodes[j].name == "ReluBackward0" for j in n.next)]
+    assert doubled.module == "", labels  # h * 2, in the tracing thread
+    assert {n.module for n in result.find("MulBackward0") if n is not doubled} == {"experts.0"}, labels
+    assert one(result, "SqrtBackward0").module == "experts.0", labels
 
 
 class _ExpertWithASideLoss(_Expert):

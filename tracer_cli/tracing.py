@@ -341,6 +341,7 @@ class _ModuleTracker:
         self.scripted_root = False  # whether the model itself is a TorchScript module (no hooks: see root_call)
         self.bound_seqs: list[int] = []
         self.bound_modules: list[str | None] = []
+        self._with_kwargs_ids: list[int] = []  # the global forward hook's, registered with_kwargs (see remove)
         # modules of the model run in another thread while recording (see _left_elsewhere): node -> its module, the
         # numbers each thread's claimed nodes took, and the numbers each thread's outermost module calls spanned
         self.claimed: dict[Any, str] = {}
@@ -402,7 +403,9 @@ class _ModuleTracker:
                 self._handles.append(module.register_forward_pre_hook(enter, prepend=True))
                 self._handles.append(module.register_forward_pre_hook(functools.partial(self._hold, name)))
                 self._handles.append(
-                    module.register_forward_hook(functools.partial(self._exit, name), always_call=True)
+                    module.register_forward_hook(
+                        functools.partial(self._exit_with_kwargs, name), with_kwargs=True, always_call=True
+                    )
                 )
             return
         # Otherwise two global hooks that look each module up: two registrations instead of two per module
@@ -425,16 +428,23 @@ class _ModuleTracker:
                     settrace(None)  # first: the calls below are not traced either
                 enter(name, module, args)
 
-        def post(module: Any, args: Any, output: Any) -> None:
+        def post(module: Any, args: Any, *kwargs_output: Any) -> None:
+            """(module, args, output), or (module, args, kwargs, output) where torch gives global hooks the
+            keyword arguments (a module run in another thread with them: see _left_elsewhere)."""
             key = id(module)
             name = find(key)
             if name is not None:
-                exit_(name, module, args, output)
+                kwargs = kwargs_output[0] if len(kwargs_output) == 2 else None
+                exit_(name, module, (*args, kwargs) if kwargs else args, kwargs_output[-1])
                 if key in opaque and self.line_tracer is not None and get_ident() == self._record_thread:
                     settrace(self.line_tracer)  # last, for the same reason
 
         self._handles.append(register_module_forward_pre_hook(pre))
-        self._handles.append(register_module_forward_hook(post, always_call=True))
+        with_kwargs = {"with_kwargs": True} if "with_kwargs" in inspect.signature(register_module_forward_hook).parameters else {}
+        handle = register_module_forward_hook(post, always_call=True, **with_kwargs)
+        self._handles.append(handle)
+        if with_kwargs:  # its handle leaves its id in this dict (torch 2.14): taken out in remove()
+            self._with_kwargs_ids.append(handle.id)
         self._call_directly(hooked, opaque)
 
     def _call_directly(self, hooked: list[tuple[str, Any]], opaque: set[int]) -> None:
@@ -489,7 +499,7 @@ class _ModuleTracker:
                     output = module.forward(*args, **kwargs)
                     return output
                 finally:
-                    exit_(name, module, args, output)
+                    exit_(name, module, (*args, kwargs) if kwargs else args, output)
                     if quiet:
                         settrace(self.line_tracer)  # last, for the same reason
 
@@ -530,7 +540,12 @@ class _ModuleTracker:
                 if param is not None and id(param) not in leaves and id(param) not in self.held:
                     self.held[id(param)] = _Leaf(f"{name}.{param_name}" if name else param_name, param, name)
 
+    def _exit_with_kwargs(self, name: str, module: Any, args: Any, kwargs: dict, output: Any) -> None:
+        self._exit(name, module, (*args, kwargs) if kwargs else args, output)
+
     def _exit(self, name: str, module: Any, args: Any, output: Any) -> None:
+        """A module call ends. ``args``: its positional arguments, and its keyword arguments' dict after them where
+        it had any (what a call in another thread claims its nodes back to: _left_elsewhere)."""
         stack = self._stack()
         # Pairs are guaranteed by always_call; search anyway so one odd exit cannot shift the rest.
         for position in range(len(stack) - 1, -1, -1):
@@ -578,7 +593,8 @@ class _ModuleTracker:
         claimed, claimed_seqs = self.claimed, self.claimed_seqs.setdefault(thread, set())
         if isinstance(output, dict):  # a ModelOutput, a dict of tensors
             output = list(output.values())
-        known = {t.grad_fn for t in _tensors_in(args, torch.Tensor)}  # made before the call, maybe in another thread
+        # made before the call, maybe in another thread (keyword arguments too: a dict after the positional ones)
+        known = {t.grad_fn for t in _tensors_in_values(args, torch.Tensor)}
         stack = [t.grad_fn for t in _tensors_in(output, torch.Tensor)]
         seen: set[Any] = set()
         while stack:
@@ -651,6 +667,12 @@ class _ModuleTracker:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._with_kwargs_ids:
+            from torch.nn.modules import module as torch_module
+
+            for handle_id in self._with_kwargs_ids:
+                getattr(torch_module, "_global_forward_hooks_with_kwargs", {}).pop(handle_id, None)
+            self._with_kwargs_ids.clear()
         for module, held_none in self._direct:
             if held_none:
                 module.__dict__["_compiled_call_impl"] = None
@@ -2854,6 +2876,17 @@ def _relative_to(path: str, folder: str) -> str:
 def _never(tensor: Any) -> bool:
     """In place of a check this torch lacks: no tensor is said to be in a torch.func transform."""
     return False
+
+
+def _tensors_in_values(value: Any, tensor_type: type) -> list[Any]:
+    """:func:`_tensors_in`, and those in dicts' values (keyword arguments, a batch passed as a dict)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, tensor_type):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors_in_values(item, tensor_type)]
+    return []
 
 
 def _tensors_in(value: Any, tensor_type: type) -> list[Any]:
