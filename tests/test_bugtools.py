@@ -812,6 +812,41 @@ def test_gradcheck_names_the_argument_whose_gradient_is_wrong(wrong, inside):
     assert len(details) == bool(wrong) and all(d.endswith(f"); wrong: the gradient for {', '.join(wrong)}") for d in details), details
 
 
+def test_gradcheck_names_arguments_whatever_forward_calls_its_context():
+    """``forward(self, x, w)`` (a context not named ``ctx``) and ``forward(ctx, scale, *ts)``: the arguments of
+    ``apply()`` are named as forward's signature has them (the first was taken for ``x``)."""
+
+    class NamedSelf(torch.autograd.Function):
+        @staticmethod
+        def forward(self, x, w):
+            self.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(self, grad):
+            x, w = self.saved_tensors
+            return grad * w, (grad * x).sum(0) * 1.5  # wrong for w
+
+    class Starred(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, scale, *ts):
+            ctx.save_for_backward(*ts)
+            ctx.scale = scale
+            return ts[0] * ts[1] * scale
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w = ctx.saved_tensors
+            return None, grad * w * ctx.scale, (grad * x).sum(0) * ctx.scale * 1.5  # wrong for the second
+
+    w = nn.Parameter(torch.randn(16))
+    torch.manual_seed(0)
+    for function, call, name in ((NamedSelf, lambda x: NamedSelf.apply(x, w), "w"), (Starred, lambda x: Starred.apply(2.0, x, w), "ts[1]")):
+        result = trace(lambda x, call=call: call(x).pow(2).sum(), (torch.randn(8, 16),), input_grad=True, gradcheck=True)
+        (node,) = result.find(f"{function.__name__}Backward")
+        assert node.gradcheck.passed is False and node.gradcheck.inputs == (name,), node.gradcheck
+
+
 def _elementwise_function(name: str, forward, derivative) -> type:
     """A custom Function ``forward(x)`` whose backward multiplies by ``derivative(x)``."""
 

@@ -204,20 +204,26 @@ def check(cls: type, args: tuple, kwargs: dict) -> Gradcheck | None:
 
 
 def _argument_name(cls: type, position: int) -> str:
-    """The name of the Function's ``position``-th argument in its forward's signature (after ``ctx``, where forward
-    takes one), else ``argument N``."""
+    """The name of the Function's ``position``-th argument in its forward's signature (after the context, which
+    forward takes, whatever it is called, unless the Function has a ``setup_context``), ``ts[1]`` for one in
+    ``*ts``, else ``argument N``."""
     import inspect
+
+    import torch
 
     try:
         parameters = list(inspect.signature(cls.forward).parameters.values())
     except (TypeError, ValueError):
-        parameters = []
-    if parameters and parameters[0].name == "ctx":
-        parameters = parameters[1:]
-    if position < len(parameters) and parameters[position].kind in (
-        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
-    ):
-        return parameters[position].name
+        return f"argument {position}"
+    base = getattr(torch.autograd.function, "_SingleLevelFunction", torch.autograd.Function)
+    if parameters and getattr(cls, "setup_context", None) is getattr(base, "setup_context", None):
+        parameters = parameters[1:]  # forward(ctx, ...): the context is not an argument of apply()
+    positional = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if position < len(positional):
+        return positional[position].name
+    rest = next((p for p in parameters if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    if rest is not None:
+        return f"{rest.name}[{position - len(positional)}]"
     return f"argument {position}"
 
 
