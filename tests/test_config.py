@@ -180,6 +180,18 @@ def test_fail_on_and_warn_on_from_pyproject(runner, project):
     assert invoke(runner, "check", sample("forgotten_layer"), "--fail-on", "norm", "--max-grad-norm", "1e9").exit_code == 0
 
 
+def test_a_configured_norm_check_goes_with_thresholds_switched_off(runner, project):
+    """``fail-on = ["norm"]`` with a configured threshold, which ``--max-grad-norm inf`` unsets as the README says:
+    the configured norm check goes with it (it was a usage error saying a threshold was needed); named on the
+    command line, it still is one."""
+    write_config(project, 'fail-on = ["norm"]\nmax-grad-norm = 1e-6\n')
+    assert invoke(runner, "check", sample("mlp")).exit_code == 1
+    off = invoke(runner, "check", sample("mlp"), "--max-grad-norm", "inf")
+    assert off.exit_code == 0 and "(nonfinite, nograd, zero checked)" in off.stdout, off.output
+    named = invoke(runner, "check", sample("mlp"), "--max-grad-norm", "inf", "--fail-on", "norm")
+    assert named.exit_code == 2 and "--fail-on names norm, which needs a threshold" in named.stderr
+
+
 @pytest.mark.parametrize("command", ["run", "check"])
 def test_fail_on_and_warn_on_repeat_and_add_up(runner, project, command):
     """``--fail-on zero --fail-on nograd`` is ``--fail-on zero,nograd``, in either order (the last one alone

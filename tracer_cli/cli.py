@@ -531,6 +531,11 @@ def _options(ctx: typer.Context) -> _Options:
         return f"{option[2:]} in [tool.gradtrace]" if param in from_config else option
 
     thresholds = Thresholds(params["max_grad_norm"], params["min_grad_norm"])
+    if not thresholds.active and {"max_grad_norm", "min_grad_norm"} & given and "norm" in fail_on + warn_on:
+        # the thresholds switched off on the command line (--max-grad-norm inf): the config's norm check goes with them
+        configured = {key: tuple(check for check in checks if check != "norm") for key, checks in configured.items()}
+        fail_on, warn_on = (tuple(check for check in checks if check != "norm" or check in command_line[key])
+                            for key, checks in (("fail_on", fail_on), ("warn_on", warn_on)))
     asked_for = [check for check in ("gradcheck", "replay") if params.get(check, False)]
     named_checks = [(f"--{option}", command_line[key]) for key, option in _CHECK_LISTS]
     named_checks += [(f"{option} in [tool.gradtrace]", configured[key]) for key, option in _CHECK_LISTS]
