@@ -284,6 +284,20 @@ def test_module_view_cut_short_still_draws_where_the_nan_starts(limit):
     assert counted == footer == len(result.nodes) - limit
 
 
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_module_view_with_depth_holds_back_no_line_for_a_node_it_does_not_draw(depth):
+    """--depth summarises deeper modules: a node the summary names in one of them gets no line set aside, so
+    --max-nodes lines all go to nodes that are drawn (two were held back for nodes never drawn)."""
+    import re
+
+    result = sample_trace("transformer")
+    limit = 6
+    text = render_text(result, TreeOptions(max_nodes=limit, depth=depth))
+    drawn = re.findall(r"[├└]── #(\d+) ", text)
+    shown_at_all = [n for n in result.nodes if n.module is None or (n.module.count(".") + 1 if n.module else 0) <= depth]
+    assert len(drawn) == min(limit, len(shown_at_all)), text
+
+
 def test_module_view_cut_short_still_draws_a_pinned_node():
     """A node pinned (where ranks start to differ) is drawn with its mark, however early --max-nodes cuts, and
     however many other nodes are marked (every node after it differs too: they are not drawn for that)."""

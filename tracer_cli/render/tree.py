@@ -542,7 +542,13 @@ def _pinned(trace: Trace, options: TreeOptions) -> list[int]:
     wanted += [n.id for n in trace.nodes if n.replay is not None and n.replay.reproducible is False]
     wanted += [entry["id"] for entry in (summary["largest_grad"], summary["smallest_nonzero_grad"]) if entry]
     matches = _matcher(options.pattern)
-    kept = [node_id for node_id in dict.fromkeys(wanted) if 0 <= node_id < len(trace.nodes) and matches(trace.nodes[node_id])]
+
+    def drawn(node: Node) -> bool:
+        """Kept by --filter, and not in a module --depth summarises (one deeper than it)."""
+        deep = options.depth is not None and node.module is not None and _module_depth(node.module) > options.depth
+        return matches(node) and not deep
+
+    kept = [node_id for node_id in dict.fromkeys(wanted) if 0 <= node_id < len(trace.nodes) and drawn(trace.nodes[node_id])]
     return kept[: options.max_nodes]
 
 
