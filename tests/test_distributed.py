@@ -792,6 +792,8 @@ def test_of_two_ranks_neither_is_blamed_of_three_the_odd_one_is():
         console.print(render_comparison(two))
     assert "(ranks 0 and 1 differ)" in captured.get() and "rank 1 differs" not in captured.get()
     assert "ranks 0 and 1 differ here" in comparison_findings(two)[0].detail
+    labelled = _compare([changed, _trace_variant(rank=1)], labels=[2, 5])  # two ranks of a larger job
+    assert "ranks 2 and 5 differ here" in comparison_findings(labelled)[0].detail
     three = _compare([changed, _trace_variant(rank=1), _trace_variant(rank=2)])
     assert three["first_divergent"]["ranks"] == [0]
     assert "rank 0 differs here" in comparison_findings(three)[0].detail

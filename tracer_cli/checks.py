@@ -455,7 +455,7 @@ def comparison_findings(comparison: dict[str, Any]) -> list[Finding]:
         findings.append(
             Finding(
                 "divergence",
-                f"{first['kind']} divergence: {who_differs(first['ranks'], len(comparison.get('ranks') or ()))} here",
+                f"{first['kind']} divergence: {who_differs(first['ranks'], [row['rank'] for row in comparison.get('ranks') or ()])} here",
                 node=first["id"],
                 name=first["name"],
                 module=first["module"],

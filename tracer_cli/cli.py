@@ -1194,7 +1194,9 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
         code = _report(error, options.debug, prefix=info.prefix)
         if info.rank == 0 and options.command == "check" and options.junit_xml is not None:
             # a CI job's reporter reads the file whatever happened: the targets checked, and this one's error
-            _write_junit_quietly(options, [*reports, _error_report(options, target, _as_gradtrace_error(error), code)])
+            # (none where every target was checked, and the job failed after: its exit code says so)
+            failed = [] if target in {r.target for r in reports} else [_error_report(options, target, _as_gradtrace_error(error), code)]
+            _write_junit_quietly(options, [*reports, *failed])
         if echo:
             import time
 

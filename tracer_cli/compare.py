@@ -56,11 +56,11 @@ def relative_spread(values: Sequence[float | None]) -> float | None:
     return 0.0 if scale == 0 else (max(present) - min(present)) / scale
 
 
-def who_differs(ranks: Sequence[int], of: int | None = None) -> str:
-    """``rank 2 differs`` / ``ranks 1, 2 differ``: those that disagree with the others. Of two (``of``), either may be
-    the one that is off: neither is blamed."""
-    if of == 2:
-        return "ranks 0 and 1 differ"
+def who_differs(ranks: Sequence[int], of: Sequence[int] = ()) -> str:
+    """``rank 2 differs`` / ``ranks 1, 2 differ``: those that disagree with the others. Of two ranks (``of``, the
+    ranks compared), either may be the one that is off: neither is blamed (``ranks 0 and 1 differ``)."""
+    if len(of) == 2:
+        return f"ranks {of[0]} and {of[1]} differ"
     if len(ranks) == 1:
         return f"rank {ranks[0]} differs"
     return f"ranks {', '.join(map(str, ranks))} differ"

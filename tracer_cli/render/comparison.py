@@ -63,14 +63,15 @@ def render_comparison(comparison: dict[str, Any]) -> RenderableType:
         where = first["param"] or (f"in {first['module'] or '<root>'}" if first["module"] is not None else "outside any module")
         text = Text("first divergence: ", style="bold red")
         text.append(f"{first['kind']} at #{first['id']} {short_name(first['name'])} {where}", style="bold red")
-        text.append(f"  ({who_differs(first['ranks'], len(comparison['ranks']))}", style="red")
+        labels = [row["rank"] for row in comparison["ranks"]]
+        text.append(f"  ({who_differs(first['ranks'], labels)}", style="red")
         if first["kind"] == "structure" and first.get("rank") is not None:
             text.append(f"; #{first['id']} of rank {first['rank']}'s graph", style="red")
         text.append(")", style="red")
         parts.append(text)
         parts.append(Text(_KIND_HELP[first["kind"]], style="dim"))
         if first.get("shapes"):
-            shapes = ", ".join(f"{tuple(shape)} on rank {rank}" for rank, shape in enumerate(first["shapes"]))
+            shapes = ", ".join(f"{tuple(shape)} on rank {rank}" for rank, shape in zip(labels, first["shapes"]))
             parts.append(Text(f"its shape differs across ranks: {shapes}", style="red"))
     if unsynchronized:  # not averaged across ranks (no DDP), or what the origin above led to
         shown = listed(unsynchronized, 8)
