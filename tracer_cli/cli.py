@@ -1192,11 +1192,11 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
                 hint="the first error above, from another rank, is the cause",
             )
         code = _report(error, options.debug, prefix=info.prefix)
-        if info.rank == 0 and options.command == "check" and options.junit_xml is not None:
-            # a CI job's reporter reads the file whatever happened: the targets checked, and this one's error
-            # (none where every target was checked, and the job failed after: its exit code says so)
-            failed = [] if target in {r.target for r in reports} else [_error_report(options, target, _as_gradtrace_error(error), code)]
-            _write_junit_quietly(options, [*reports, *failed])
+        checking = options.command == "check" and target not in {report.target for report in reports}
+        if info.rank == 0 and checking and options.junit_xml is not None:
+            # a CI job's reporter reads the file whatever happened: the targets checked, and this one's error (a
+            # failure after every target was checked leaves the file the verdict wrote, if it got that far)
+            _write_junit_quietly(options, [*reports, _error_report(options, target, _as_gradtrace_error(error), code)])
         if echo:
             import time
 
