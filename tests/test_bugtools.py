@@ -818,12 +818,12 @@ def test_gradcheck_names_arguments_whatever_forward_calls_its_context():
 
     class NamedSelf(torch.autograd.Function):
         @staticmethod
-        def forward(self, x, w):
+        def forward(self, x, w):  # noqa: PLW0211 - the context, named as some code names it
             self.save_for_backward(x, w)
             return x * w
 
         @staticmethod
-        def backward(self, grad):
+        def backward(self, grad):  # noqa: PLW0211
             x, w = self.saved_tensors
             return grad * w, (grad * x).sum(0) * 1.5  # wrong for w
 
