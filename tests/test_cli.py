@@ -1086,6 +1086,26 @@ def test_a_step_traced_again_starts_from_the_inputs_the_first_one_had(runner, tm
     assert document["param_grads"]["emb.weight"]["norm"] == pytest.approx(plain.emb.weight.grad.norm().item(), rel=1e-5)
 
 
+def test_the_input_copy_puts_back_parameters_and_subclasses_and_leaves_out_inference_tensors():
+    """What a second attempt starts from: a Parameter or a tensor subclass given as an input is put back as it was;
+    an inference tensor (which nothing outside inference mode can change) is left out."""
+    from tracer_cli.inputs import InputSnapshot
+
+    class Tagged(torch.Tensor):
+        pass
+
+    parameter, tagged = torch.nn.Parameter(torch.randn(3)), torch.randn(2, 3).as_subclass(Tagged)
+    with torch.inference_mode():
+        frozen = torch.ones(2)
+    before = [parameter.detach().clone(), tagged.detach().clone()]
+    snapshot = InputSnapshot((parameter,), {"x": {"nested": [tagged, frozen]}})
+    with torch.no_grad():
+        parameter.mul_(2)
+        tagged.t().add_(1)  # through a transposed view
+    snapshot.restore()
+    assert torch.equal(parameter.detach(), before[0]) and torch.equal(tagged.detach(), before[1])
+
+
 @pytest.mark.parametrize("options", [[], ["--no-input-grad"]])
 def test_inputs_made_in_inference_mode_are_traced(runner, tmp_path, options):
     """Inference tensors (``example_inputs()`` under ``torch.inference_mode``) track no version counter: the copy

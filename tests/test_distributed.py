@@ -657,6 +657,16 @@ def test_a_check_whose_rank_hangs_still_writes_its_junit_file(tmp_path):
     assert_no_leftovers(j)
 
 
+def test_a_check_whose_ranks_cannot_start_is_a_usage_error(tmp_path):
+    """``check`` under the launcher on a device no rank can use: the ranks' usage error (exit 2), not an internal
+    error from the JUnit write that a failing rank attempts (names it reads were not set yet)."""
+    command = [GRADTRACE, "check", "--nproc-per-node", "1", "sample_models/mlp.py", "--device", "cuda:99"]
+    j = run_job(command, tmp_path / "none.json", FAILING_JOB_TIMEOUT_S)
+    assert j.returncode == 2, j
+    assert "cuda:99" in j.stderr and "internal error" not in j.stderr, j
+    assert_no_leftovers(j)
+
+
 def test_leftover_torchrun_variables_are_a_usage_error_not_a_crash(tmp_path):
     """RANK and WORLD_SIZE left from another job, without the rest of torchrun's environment."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}

@@ -1136,14 +1136,14 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
     from .distributed import ProcessGroup
 
     group = ProcessGroup(info, timeout_s=options.timeout)
+    reports: list[Any] = []
+    target = options.targets[0]
     try:
         device = group.start(options.device)
         # --rank-seed: each rank's own data (inputs, dropout), the same model on every rank
         input_seed = options.seed + info.rank if options.rank_seed else None
         console = _log_console() if options.command == "check" else None
         code: int = ExitCode.OK
-        reports = []
-        target = options.targets[0]
         for target in options.targets:
             result = _trace(
                 options, target, seed=options.seed, input_seed=input_seed, device=device, rank=info.rank,

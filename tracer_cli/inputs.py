@@ -433,7 +433,7 @@ class InputSnapshot:
     what the first attempt left in them. A copy of each tensor is kept, in host memory (inputs are small
     beside a step's activations; a device's memory is not doubled); only those changed since are written back.
     Inference tensors (made under ``torch.inference_mode``), which nothing outside it can change, and tensors
-    without data (the meta device's, a subclass's) are not kept."""
+    without data to copy (the meta device's, a subclass's that wraps none) are not kept."""
 
     def __init__(self, args: tuple, kwargs: dict) -> None:
         import torch
@@ -442,11 +442,11 @@ class InputSnapshot:
         self._saved: list[tuple[Any, int, Any]] = []
         with torch.no_grad():
             for tensor in _tensors_of((args, kwargs), torch.Tensor):
-                if tensor.is_inference() or tensor.is_meta or type(tensor) is not torch.Tensor:
+                if tensor.is_inference() or tensor.is_meta:
                     continue
                 try:
                     self._saved.append((tensor, tensor._version, tensor.detach().to("cpu", copy=True)))
-                except RuntimeError:  # no data to copy (a sparse layout without it, ...): not kept
+                except Exception:  # noqa: BLE001 - no data to copy (a subclass that wraps none, ...): not kept
                     continue
 
     def restore(self) -> None:
