@@ -222,7 +222,8 @@ class ReferenceBackward:
 
 
 def reference_backward(loss: torch.Tensor) -> ReferenceBackward:
-    """Run ``loss.backward()`` with a plain post-hook on every pre-existing node.
+    """Run ``loss.backward()`` with a plain pre-hook and post-hook on every pre-existing node: what arrived at
+    it (before its backward ran, which may change it in place) and what it sent on.
 
     Graphs built during backward are found by wrapping ``torch.autograd.backward``,
     which reentrant checkpointing calls on its recomputed outputs.
@@ -231,16 +232,23 @@ def reference_backward(loss: torch.Tensor) -> ReferenceBackward:
     known = {id(n) for n in before}
     created: list[Any] = []
     calls: dict[int, list[tuple[tuple, tuple]]] = {id(n): [] for n in before}
+    arrived: dict[int, tuple] = {}
 
-    def record(node_key: int):
-        def hook(grad_inputs, grad_outputs):
-            calls[node_key].append(
-                (tuple(grad_stat(g) for g in grad_inputs), tuple(grad_stat(g) for g in grad_outputs))
-            )
+    def arrive(node_key: int):
+        def hook(grad_outputs):
+            arrived[node_key] = tuple(grad_stat(g) for g in grad_outputs)
 
         return hook
 
-    handles = [node.register_hook(record(id(node))) for node in before]
+    def record(node_key: int):
+        def hook(grad_inputs, grad_outputs):
+            received = arrived.pop(node_key, None) or tuple(grad_stat(g) for g in grad_outputs)
+            calls[node_key].append((tuple(grad_stat(g) for g in grad_inputs), received))
+
+        return hook
+
+    handles = [node.register_prehook(arrive(id(node))) for node in before]
+    handles += [node.register_hook(record(id(node))) for node in before]
     original_backward = torch.autograd.backward
     nested_depth = [0]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -730,6 +731,51 @@ def test_replay_gives_no_verdict_inside_a_non_reentrant_checkpoint():
     outside = [n for n in result.nodes if n.module == "out" and n.replay is not None and n.replay.reproducible is not None]
     assert outside and all(n.replay.reproducible for n in outside)
     assert not [n for n in result.nodes if n.replay and n.replay.reproducible is False]
+
+
+class _DoublesInPlace(torch.autograd.Function):
+    """Identity forward; a backward that doubles the gradient it receives in place and returns that tensor."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.mul_(2)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_backward_that_changes_its_incoming_gradient_in_place(replay):
+    """A custom backward that doubles what it receives in place: the node shows what it received (the norm the node
+    before it sent, not the doubled one), and ``--replay`` neither runs it on the doubled tensor (which the engine
+    passes on: every gradient below was doubled again) nor calls it reproducible."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.b(_DoublesInPlace.apply(self.a(x))).pow(2).mean()
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 8)
+    identity = copy.deepcopy(model)
+    output = identity.a(x) * 1
+    output.retain_grad()  # what the Function's node receives: the gradient of its output, in a copy without it
+    identity.b(output).pow(2).mean().backward()
+    received = output.grad.norm().item()
+    plain = copy.deepcopy(model)
+    plain(x).backward()  # the parameters' gradients, the Function's doubling included
+    result = trace(model, x, replay=replay)
+    (node,) = result.find("_DoublesInPlaceBackward")
+    assert node.grad_outputs[0].norm == pytest.approx(received, rel=1e-5)
+    assert node.grad_inputs[0].norm == pytest.approx(2 * received, rel=1e-5)
+    for name, parameter in plain.named_parameters():
+        assert dict(result.param_grads)[name].norm == pytest.approx(parameter.grad.norm().item(), rel=1e-5), name
+    if replay:
+        assert node.replay.reproducible is None and "changed the gradients it received in place" in node.replay.note
 
 
 def test_replay_leaves_gradients_unchanged():

@@ -112,12 +112,15 @@ def _in_place(x):
 
 def test_a_gradient_changed_in_place_later_keeps_the_value_its_node_sent():
     """The node before the custom Function sent the unchanged gradient; a deferred norm taken after
-    the custom backward ran would see the halved one (the pending norms are taken before it runs)."""
+    the custom backward ran would see the halved one (the pending norms are taken before it runs). The custom
+    node received it unchanged too (its norm is taken before its backward runs)."""
     args = (torch.randn(8),)
     result = trace(_in_place, args)
     compare_with_hooks(result, _reference_loss(_in_place, args))
     mul = result.find("MulBackward0")[0]
     assert mul.grad_inputs[0].norm == pytest.approx(3.0 * math.sqrt(8), rel=1e-6)
+    (halves,) = result.find("_HalvesGradInPlaceBackward")
+    assert halves.grad_outputs[0].norm == pytest.approx(3.0 * math.sqrt(8), rel=1e-6)
 
 
 def test_large_gradients_norms_are_accurate(device):

@@ -1089,6 +1089,7 @@ NO_VALUE = -1  # the position of a norm that could not be taken
 # where a hook of gradtrace's failed (the error is reported after the step)
 RECORDING_FORWARD = "while recording forward values"
 DURING_BACKWARD = "during backward"
+CHANGED_IN_PLACE = "its backward changed the gradients it received in place: not replayed"
 # Where at least one call in this many is an AccumulateGrad's, a parameter's .grad finds what its AccumulateGrad
 # received in a pass over every call (0.1 us a call), rather than having a small one normed again (about 2 us; a
 # chain of 6,000 tiny ops with one parameter is better without the pass, 1,000 Linear layers with it)
@@ -1677,6 +1678,8 @@ class _TraceSession:
         self.received: dict[int, list[list[int]]] = {}  # AccumulateGrad node -> grad_outputs slots, per call logged at once
         self.errors: list[tuple[str, str]] = []  # (where a hook failed, its traceback): reported after the step
         self.running_custom: list[int] = []
+        # custom Function node -> (slots, versions) of the gradients it received, taken before its backward ran
+        self._received_at_start: dict[int, tuple[list[int], list[int | None]]] = {}
         self.modes: list[Any] = []
         self._mode_class = _discovery_mode_class()
         self.created_in: dict[int, int | None] = {}  # nodes made during backward -> the node running then
@@ -1904,6 +1907,13 @@ class _TraceSession:
         make nodes. Norms still pending are taken first, and a mode hooks the nodes its ops make."""
         try:
             self.flush()
+            if not self._replaying:
+                # what it receives, before it runs: a backward that changes it in place (g.mul_(2)) would show what
+                # it made of it, and a replay would run on that (and change it again, for the nodes after it)
+                with self._outside_graph(), self._lock:
+                    slots = list(map(self._slot_now, grad_outputs))
+                versions = [None if grad is None else grad._version for grad in grad_outputs]
+                self._received_at_start[node_id] = (slots, versions)
             mode = self._mode_class(self)
             mode.__enter__()
             self.modes.append(mode)
@@ -1918,7 +1928,18 @@ class _TraceSession:
                 self.modes.pop().__exit__(None, None, None)
         except Exception:
             self.errors.append((DURING_BACKWARD, traceback.format_exc()))
-        return (self._on_run_now if self.replay else self._run_hook)(node_id, grad_inputs, grad_outputs)
+        start = self._received_at_start.pop(node_id, None)
+        if start is None or self._replaying:
+            return (self._on_run_now if self.replay else self._run_hook)(node_id, grad_inputs, grad_outputs)
+        try:
+            slots, versions = start
+            self._log_now(node_id, grad_inputs, grad_outputs, received=slots)
+            if self.replay and node_id not in self.replays:
+                changed = any(v is not None and g._version != v for g, v in zip(grad_outputs, versions))
+                self.replays[node_id] = (None, None, CHANGED_IN_PLACE) if changed else self._replay(node_id, grad_inputs, grad_outputs)
+        except Exception:
+            self.errors.append((DURING_BACKWARD, traceback.format_exc()))
+        return None
 
     def _on_run_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
         """Any node with ``--replay``: statistics now, then the node is run again from what it received."""
@@ -1932,17 +1953,19 @@ class _TraceSession:
             self.errors.append((DURING_BACKWARD, traceback.format_exc()))
         return None
 
-    def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+    def _log_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple, received: list[int] | None = None) -> None:
         """Log a call with slots whose norms are queued now (lists: a flush tells them from tuples of tensors).
         An AccumulateGrad's are kept per call too (:attr:`received`): its ``.grad`` may be this very tensor,
-        whose norm :meth:`record_param_grads` then reuses."""
+        whose norm :meth:`record_param_grads` then reuses. ``received``: the slots of ``grad_outputs`` taken
+        already (a custom Function's, before its backward ran)."""
         if self._torch.is_grad_enabled():  # backward(create_graph=True): statistics stay out of the graph
             with self._torch.no_grad():
-                self._log_now(node_id, grad_inputs, grad_outputs)
+                self._log_now(node_id, grad_inputs, grad_outputs, received)
             return
         slot_now = self._slot_now
         with self._lock:
-            received = list(map(slot_now, grad_outputs))
+            if received is None:
+                received = list(map(slot_now, grad_outputs))
             self.log.extend((node_id, list(map(slot_now, grad_inputs)), received))
             self._logged_now = True
             if not grad_inputs and type(self.nodes[node_id]) is self._leaf_type:
@@ -2058,7 +2081,9 @@ class _TraceSession:
                 if isinstance(node, self._custom_type):
                     call = self.custom_calls.get(id(node))
                     outputs = call[5] if call is not None and call[0] is node else None
-                    again = node.apply(*_materialized(node, grad_outputs, outputs))
+                    # on copies: Python of the user's may change what it gets in place, and these are the engine's
+                    copies = tuple(None if grad is None else grad.clone() for grad in grad_outputs)
+                    again = node.apply(*_materialized(node, copies, outputs))
                     again = again if isinstance(again, tuple) else (again,)
                     if call is not None and call[0] is node:  # keep the gradients of tensor arguments
                         again = tuple(g for g, is_tensor in zip(again, call[4]) if is_tensor)
