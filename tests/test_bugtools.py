@@ -745,8 +745,9 @@ class _DoublesInPlace(torch.autograd.Function):
         return grad.mul_(2)
 
 
+@pytest.mark.parametrize("rows", [4, 4096])  # a small gradient (copied before the backward runs), a large one (normed)
 @pytest.mark.parametrize("replay", [False, True])
-def test_a_backward_that_changes_its_incoming_gradient_in_place(replay):
+def test_a_backward_that_changes_its_incoming_gradient_in_place(replay, rows):
     """A custom backward that doubles what it receives in place: the node shows what it received (the norm the node
     before it sent, not the doubled one), and ``--replay`` neither runs it on the doubled tensor (which the engine
     passes on: every gradient below was doubled again) nor calls it reproducible."""
@@ -760,7 +761,7 @@ def test_a_backward_that_changes_its_incoming_gradient_in_place(replay):
             return self.b(_DoublesInPlace.apply(self.a(x))).pow(2).mean()
 
     torch.manual_seed(0)
-    model, x = Net(), torch.randn(4, 8)
+    model, x = Net(), torch.randn(rows, 8)
     identity = copy.deepcopy(model)
     output = identity.a(x) * 1
     output.retain_grad()  # what the Function's node receives: the gradient of its output, in a copy without it

@@ -1678,8 +1678,9 @@ class _TraceSession:
         self.received: dict[int, list[list[int]]] = {}  # AccumulateGrad node -> grad_outputs slots, per call logged at once
         self.errors: list[tuple[str, str]] = []  # (where a hook failed, its traceback): reported after the step
         self.running_custom: list[int] = []
-        # custom Function node -> (slots, versions) of the gradients it received, taken before its backward ran
-        self._received_at_start: dict[int, tuple[list[int], list[int | None]]] = {}
+        # custom Function node -> what it received, before its backward ran: per gradient, None or (the tensor, its
+        # version, a copy of a small one or the slot of a large one)
+        self._received_at_start: dict[int, list[tuple[Any, int, Any] | None]] = {}
         self.modes: list[Any] = []
         self._mode_class = _discovery_mode_class()
         self.created_in: dict[int, int | None] = {}  # nodes made during backward -> the node running then
@@ -1909,11 +1910,19 @@ class _TraceSession:
             self.flush()
             if not self._replaying:
                 # what it receives, before it runs: a backward that changes it in place (g.mul_(2)) would show what
-                # it made of it, and a replay would run on that (and change it again, for the nodes after it)
-                with self._outside_graph(), self._lock:
-                    slots = list(map(self._slot_now, grad_outputs))
-                versions = [None if grad is None else grad._version for grad in grad_outputs]
-                self._received_at_start[node_id] = (slots, versions)
+                # it made of it, and a replay would run on that (and change it again, for the nodes after it). A
+                # small gradient is copied (its norm is taken in a batch, of the copy where the backward changed
+                # it), a large one normed now (as it would be when logged: the same slot then, if unchanged)
+                arrived = []
+                for grad in grad_outputs:
+                    if grad is None:
+                        arrived.append(None)
+                    elif grad.numel() <= SMALL_NUMEL:
+                        arrived.append((grad, grad._version, grad.detach().clone()))
+                    else:
+                        with self._outside_graph(), self._lock:
+                            arrived.append((grad, grad._version, self._slot_now(grad)))
+                self._received_at_start[node_id] = arrived
             mode = self._mode_class(self)
             mode.__enter__()
             self.modes.append(mode)
@@ -1928,15 +1937,16 @@ class _TraceSession:
                 self.modes.pop().__exit__(None, None, None)
         except Exception:
             self.errors.append((DURING_BACKWARD, traceback.format_exc()))
-        start = self._received_at_start.pop(node_id, None)
-        if start is None or self._replaying:
+        arrived = self._received_at_start.pop(node_id, None)
+        changed = arrived is not None and any(a is not None and a[0]._version != a[1] for a in arrived)
+        if not changed or self._replaying:
             return (self._on_run_now if self.replay else self._run_hook)(node_id, grad_inputs, grad_outputs)
-        try:
-            slots, versions = start
-            self._log_now(node_id, grad_inputs, grad_outputs, received=slots)
+        try:  # its backward changed what it received: that is logged as it arrived, and not replayed
+            with self._outside_graph(), self._lock:
+                received = [-1 if a is None else a[2] if isinstance(a[2], int) else self._slot_now(a[2]) for a in arrived]
+            self._log_now(node_id, grad_inputs, grad_outputs, received=received)
             if self.replay and node_id not in self.replays:
-                changed = any(v is not None and g._version != v for g, v in zip(grad_outputs, versions))
-                self.replays[node_id] = (None, None, CHANGED_IN_PLACE) if changed else self._replay(node_id, grad_inputs, grad_outputs)
+                self.replays[node_id] = (None, None, CHANGED_IN_PLACE)
         except Exception:
             self.errors.append((DURING_BACKWARD, traceback.format_exc()))
         return None
