@@ -446,7 +446,7 @@ class InputSnapshot:
                     continue
                 try:
                     self._saved.append((tensor, tensor._version, tensor.detach().to("cpu", copy=True)))
-                except Exception:  # noqa: BLE001 - no data to copy (a subclass that wraps none, ...): not kept
+                except Exception:  # noqa: BLE001, S112 - no data to copy (a subclass that wraps none, ...): not kept
                     continue
 
     def restore(self) -> None:
