@@ -779,6 +779,97 @@ def test_a_backward_that_changes_its_incoming_gradient_in_place(replay, rows):
         assert node.replay.reproducible is None and "changed the gradients it received in place" in node.replay.note
 
 
+class _Doubles(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.mul_(2)
+
+
+class _BackwardRunsAutograd(torch.autograd.Function):
+    """``sin`` forward; a backward that builds a graph of its own, a custom Function in it, and runs it with
+    ``autograd.grad(create_graph=True)``: the gradient of ``sin(u) * u`` along the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            u = x.detach().requires_grad_()
+            (gu,) = torch.autograd.grad(_Doubles.apply(u).sin() * u, u, grad_outputs=grad, create_graph=True)
+        return gu.detach()
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_custom_backward_that_runs_autograd_on_a_function_of_its_own_is_traced(replay):
+    """The nodes such a backward makes are traced where it runs them (a custom Function among them, which changes
+    what it receives in place); run again by --replay, what it makes then is not this backward's (finish() failed
+    with a KeyError on a node the replay made)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return _BackwardRunsAutograd.apply(self.fc(x)).pow(2).sum()
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(3, 4)
+    plain = copy.deepcopy(model)
+    plain(x).backward()
+    result = trace(model, x, replay=replay)
+    assert dict(result.param_grads)["fc.weight"].norm == pytest.approx(plain.fc.weight.grad.norm().item(), rel=1e-5)
+    (doubles,) = result.find("_DoublesBackward")
+    assert doubles.grad_inputs[0].norm == pytest.approx(2 * doubles.grad_outputs[0].norm, rel=1e-6)
+
+
+class _RunsThroughItself(torch.autograd.Function):
+    """A backward that first runs a backward through its own node again (``autograd.grad`` of a second use of its
+    output), then doubles what it received in place."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.depth = 0
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.depth += 1
+        if ctx.depth == 1:
+            with torch.enable_grad():
+                torch.autograd.grad(_RunsThroughItself.second_use, _RunsThroughItself.source, retain_graph=True)
+            grad.mul_(2)
+        return grad
+
+
+def test_a_custom_node_run_again_inside_its_own_backward_shows_what_each_run_received():
+    """Each run of the node shows what arrived at it, the outer one too (the inner run's record took its place)."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(8, 8), torch.randn(4, 8)
+
+    def model(x):
+        h = layer(x)
+        y = _RunsThroughItself.apply(h)
+        _RunsThroughItself.second_use, _RunsThroughItself.source = (y * 3).sum(), h
+        return y.pow(2).mean()
+
+    result = trace(model, (x,))
+    (node,) = result.find("_RunsThroughItselfBackward")
+    inner, outer = node.calls
+    assert inner.grad_outputs[0].norm == pytest.approx(3 * math.sqrt(32), rel=1e-6)  # d(3 y.sum())/dy
+    h = layer(x).detach()
+    arrived = (2 * h / h.numel()).norm().item()  # d(mean(y^2))/dy
+    assert outer.grad_outputs[0].norm == pytest.approx(arrived, rel=1e-5)
+    assert outer.grad_inputs[0].norm == pytest.approx(2 * arrived, rel=1e-5)
+
+
 def test_replay_leaves_gradients_unchanged():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))

@@ -1678,9 +1678,10 @@ class _TraceSession:
         self.received: dict[int, list[list[int]]] = {}  # AccumulateGrad node -> grad_outputs slots, per call logged at once
         self.errors: list[tuple[str, str]] = []  # (where a hook failed, its traceback): reported after the step
         self.running_custom: list[int] = []
-        # custom Function node -> what it received, before its backward ran: per gradient, None or (the tensor, its
-        # version, a copy of a small one or the slot of a large one)
-        self._received_at_start: dict[int, list[tuple[Any, int, Any] | None]] = {}
+        # custom Function node -> what it received, before its backward ran, per call running (a backward may run its
+        # own node again inside): per gradient, None or (the tensor, its version, a copy of a small one or the slot
+        # of a large one)
+        self._received_at_start: dict[int, list[list[tuple[Any, int, Any] | None]]] = {}
         self.modes: list[Any] = []
         self._mode_class = _discovery_mode_class()
         self.created_in: dict[int, int | None] = {}  # nodes made during backward -> the node running then
@@ -1851,6 +1852,8 @@ class _TraceSession:
             self.errors.append((RECORDING_FORWARD, traceback.format_exc()))
 
     def discover_in_backward(self, output: Any) -> None:
+        if self._replaying:  # nodes a replay makes (a custom backward's own autograd, run again) are not this backward's
+            return
         try:
             roots = [t.grad_fn for t in _tensors_in(output, self._torch.Tensor) if t.grad_fn is not None]
             if roots:
@@ -1922,7 +1925,7 @@ class _TraceSession:
                     else:
                         with self._outside_graph(), self._lock:
                             arrived.append((grad, grad._version, self._slot_now(grad)))
-                self._received_at_start[node_id] = arrived
+                self._received_at_start.setdefault(node_id, []).append(arrived)  # (a backward may run it again inside)
             mode = self._mode_class(self)
             mode.__enter__()
             self.modes.append(mode)
@@ -1937,7 +1940,8 @@ class _TraceSession:
                 self.modes.pop().__exit__(None, None, None)
         except Exception:
             self.errors.append((DURING_BACKWARD, traceback.format_exc()))
-        arrived = self._received_at_start.pop(node_id, None)
+        calls = self._received_at_start.get(node_id)
+        arrived = calls.pop() if calls else None
         changed = arrived is not None and any(a is not None and a[0]._version != a[1] for a in arrived)
         if not changed or self._replaying:
             return (self._on_run_now if self.replay else self._run_hook)(node_id, grad_inputs, grad_outputs)
