@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -335,7 +336,11 @@ def test_the_module_view_folds_siblings_past_the_node_budget_into_one_line():
     assert len(lines) < 40, text
     (folded,) = [line for line in lines if "more modules" in line]
     assert "… 289 more modules, 289 nodes not shown" in folded
-    assert sum(1 for line in lines if line.rstrip().endswith("1 node not shown")) == 10
+    folded_modules = [m.groups() for line in lines if (m := re.search(r"── (\d+) \(Tanh\)  1 node not shown, largest grad_out ‖(\S+)‖", line))]
+    assert len(folded_modules) == 10
+    for index, shown in folded_modules:  # each the norm of what that module's node received
+        (node,) = [n for n in result.nodes if n.module == index]
+        assert shown == f"{node.grad_outputs[0].norm:.2e}"
 
 
 def test_the_filter_matches_names_as_the_tree_shows_them_and_says_when_nothing_matches():

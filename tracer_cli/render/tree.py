@@ -288,7 +288,7 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
         if hidden:
             more = " more" if len(hidden) < len(nodes) else ""
             text = Text(f"… {len(hidden)}{more} {_plural(len(hidden), 'node')} not shown", style="dim")
-            branch.add(text.append_text(_hidden_marks(hidden, styler)))
+            branch.add(text.append_text(_largest(hidden)).append_text(_hidden_marks(hidden, styler)))
 
     root = Tree(Text(trace.meta.target, style="bold"), guide_style="dim")
     if by_module.get(None):
@@ -309,7 +309,7 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
             hidden = count(path)
             budget.hidden += len(hidden)
             label.append(f"  {len(hidden)} {_plural(len(hidden), 'node')} not shown", style="dim")
-            parent.add(label.append_text(_hidden_marks(hidden, styler)))
+            parent.add(label.append_text(_largest(hidden)).append_text(_hidden_marks(hidden, styler)))
             return
         branch = parent.add(label)
         if options.depth is not None and _module_depth(path) >= options.depth and children.get(path):
@@ -350,7 +350,7 @@ def _module_tree(trace: Trace, options: TreeOptions, styler: _Styler, budget: _B
                 f"{_plural(len(hidden), 'node')} not shown",
                 style="dim",
             )
-            branch.add(text.append_text(_hidden_marks(hidden, styler)))
+            branch.add(text.append_text(_largest(hidden)).append_text(_hidden_marks(hidden, styler)))
 
     add_modules(root, [""] if "" in paths else children.get(None, []))
     return root
@@ -366,13 +366,18 @@ def _plural(count: int, word: str) -> str:
 def _summarise(branch: Tree, nodes: list[Node], styler: _Styler) -> None:
     if not nodes:
         return
-    norms = [n.grad_norm for n in nodes if n.grad_norm is not None and math.isfinite(n.grad_norm)]
     text = Text(f"… {len(nodes)} {_plural(len(nodes), 'node')} in submodules", style="dim")
-    if norms:
-        text.append(f", largest grad_out ‖{format_norm(max(norms))}‖", style="dim")
+    text.append_text(_largest(nodes))
     text.append_text(_hidden_marks(nodes, styler))
     text.append(" (raise --depth to see them)", style="dim")
     branch.add(text)
+
+
+def _largest(nodes: Iterable[Node]) -> Text:
+    """The largest finite gradient norm of nodes not shown (each node's grad_norm: what it received, a leaf's
+    gradient): where gradients grow, to look at with --filter."""
+    norms = [n.grad_norm for n in nodes if n.grad_norm is not None and math.isfinite(n.grad_norm)]
+    return Text(f", largest grad_out ‖{format_norm(max(norms))}‖" if norms else "", style="dim")
 
 
 def _hidden_marks(nodes: Iterable[Node], styler: _Styler) -> Text:
