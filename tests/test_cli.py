@@ -141,6 +141,15 @@ def test_a_closed_stdout_or_stderr_is_no_internal_error(tmp_path, closed):
         assert strict_json(out.read_text())["meta"]["target"].endswith(f"{sample}.py")
 
 
+def test_torchrun_options_in_one_process_say_they_are_ignored(runner):
+    """--ranks and --rank-seed on the command line of one process: traced as usual, with a note that they do
+    nothing here (they were accepted without a word); none where neither is given."""
+    result = invoke(runner, "run", str(SAMPLES / "mlp.py"), "--ranks", "0", "--rank-seed")
+    assert result.exit_code == 0, result.output
+    assert "--rank-seed and --ranks only apply under torchrun" in result.stderr
+    assert "only appl" not in invoke(runner, "run", str(SAMPLES / "mlp.py")).stderr
+
+
 def test_json_file_and_tree(runner, tmp_path):
     out = tmp_path / "trace.json"
     result = invoke(runner, "run", str(SAMPLES / "mlp.py"), "--json", str(out))

@@ -524,6 +524,11 @@ def _options(ctx: typer.Context) -> _Options:
             f"{divergence_options[0]} divergence compares ranks: it needs torchrun (or --nproc-per-node N)",
             hint="run under torchrun --nproc-per-node N --no-python gradtrace check ..., or leave divergence out",
         )
+    one_process = ctx.params.get("nproc_per_node") is None and rank_info() is None
+    ignored = [option for name, option in (("rank_seed", "--rank-seed"), ("ranks", "--ranks")) if name in given]
+    if one_process and ignored:  # (a config shared with torchrun jobs may set them: said only of the command line)
+        verb = "apply" if len(ignored) > 1 else "applies"
+        _note(f"{' and '.join(ignored)} only {verb} under torchrun (or --nproc-per-node N): ignored here, where one process traces")
     from_config = {name for name in params if name not in given and params[name] != ctx.params.get(name)}
 
     def named(param: str, option: str) -> str:
