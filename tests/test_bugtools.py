@@ -745,9 +745,22 @@ class _DoublesInPlace(torch.autograd.Function):
         return grad.mul_(2)
 
 
-@pytest.mark.parametrize("rows", [4, 4096])  # a small gradient (copied before the backward runs), a large one (normed)
+class _DoublesThroughData(torch.autograd.Function):
+    """The same through ``.data``, which the version counter does not see."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad.data.mul_(2)
+        return grad
+
+
+@pytest.mark.parametrize("function, rows", [(_DoublesInPlace, 4), (_DoublesInPlace, 4096), (_DoublesThroughData, 4)])
 @pytest.mark.parametrize("replay", [False, True])
-def test_a_backward_that_changes_its_incoming_gradient_in_place(replay, rows):
+def test_a_backward_that_changes_its_incoming_gradient_in_place(replay, function, rows):
     """A custom backward that doubles what it receives in place: the node shows what it received (the norm the node
     before it sent, not the doubled one), and ``--replay`` neither runs it on the doubled tensor (which the engine
     passes on: every gradient below was doubled again) nor calls it reproducible."""
@@ -758,7 +771,7 @@ def test_a_backward_that_changes_its_incoming_gradient_in_place(replay, rows):
             self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
 
         def forward(self, x):
-            return self.b(_DoublesInPlace.apply(self.a(x))).pow(2).mean()
+            return self.b(function.apply(self.a(x))).pow(2).mean()
 
     torch.manual_seed(0)
     model, x = Net(), torch.randn(rows, 8)
@@ -770,7 +783,7 @@ def test_a_backward_that_changes_its_incoming_gradient_in_place(replay, rows):
     plain = copy.deepcopy(model)
     plain(x).backward()  # the parameters' gradients, the Function's doubling included
     result = trace(model, x, replay=replay)
-    (node,) = result.find("_DoublesInPlaceBackward")
+    (node,) = result.find(f"{function.__name__}Backward")
     assert node.grad_outputs[0].norm == pytest.approx(received, rel=1e-5)
     assert node.grad_inputs[0].norm == pytest.approx(2 * received, rel=1e-5)
     for name, parameter in plain.named_parameters():

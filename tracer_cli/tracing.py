@@ -1942,12 +1942,16 @@ class _TraceSession:
             self.errors.append((DURING_BACKWARD, traceback.format_exc()))
         calls = self._received_at_start.get(node_id)
         arrived = calls.pop() if calls else None
-        changed = arrived is not None and any(a is not None and a[0]._version != a[1] for a in arrived)
+        changed = arrived is not None and any(a is not None and _changed_since(*a) for a in arrived)
         if not changed or self._replaying:
             return (self._on_run_now if self.replay else self._run_hook)(node_id, grad_inputs, grad_outputs)
         try:  # its backward changed what it received: that is logged as it arrived, and not replayed
             with self._outside_graph(), self._lock:
                 received = [-1 if a is None else a[2] if isinstance(a[2], int) else self._slot_now(a[2]) for a in arrived]
+                for entry in arrived:  # a norm taken of them before is not theirs now (a change through .data keeps
+                    if entry is not None:  # the version the tables go by)
+                        self._seen.pop(id(entry[0]), None)
+                        self._blocks.pop(self._elements_key(entry[0]), None)
             self._log_now(node_id, grad_inputs, grad_outputs, received=received)
             if self.replay and node_id not in self.replays:
                 self.replays[node_id] = (None, None, CHANGED_IN_PLACE)
@@ -2910,6 +2914,26 @@ def _relative_to(path: str, folder: str) -> str:
     except ValueError:  # another drive (Windows)
         return path
     return path if relative.startswith("..") else relative
+
+
+def _changed_since(tensor: Any, version: int, copy: Any) -> bool:
+    """Whether a gradient a custom backward received changed while it ran: its version counter moved, or (a change
+    through ``.data``, which the counter does not see) a small one's values differ from the copy taken before (a
+    NaN where the copy has one is no change)."""
+    if tensor._version != version:
+        return True
+    if isinstance(copy, int) or _torch_equal(copy, tensor):
+        return False
+    return not bool(((copy == tensor) | (copy.isnan() & tensor.isnan())).all())
+
+
+def _torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    try:
+        return torch.equal(a, b)
+    except RuntimeError:  # a layout or subclass torch.equal has no kernel for: the elementwise check
+        return False
 
 
 def _never(tensor: Any) -> bool:
