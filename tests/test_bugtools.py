@@ -792,16 +792,6 @@ def test_a_backward_that_changes_its_incoming_gradient_in_place(replay, function
         assert node.replay.reproducible is None and "changed the gradients it received in place" in node.replay.note
 
 
-class _Doubles(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 1
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.mul_(2)
-
-
 class _BackwardRunsAutograd(torch.autograd.Function):
     """``sin`` forward; a backward that builds a graph of its own, a custom Function in it, and runs it with
     ``autograd.grad(create_graph=True)``: the gradient of ``sin(u) * u`` along the incoming gradient."""
@@ -816,7 +806,7 @@ class _BackwardRunsAutograd(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         with torch.enable_grad():
             u = x.detach().requires_grad_()
-            (gu,) = torch.autograd.grad(_Doubles.apply(u).sin() * u, u, grad_outputs=grad, create_graph=True)
+            (gu,) = torch.autograd.grad(_DoublesInPlace.apply(u).sin() * u, u, grad_outputs=grad, create_graph=True)
         return gu.detach()
 
 
@@ -839,7 +829,7 @@ def test_a_custom_backward_that_runs_autograd_on_a_function_of_its_own_is_traced
     plain(x).backward()
     result = trace(model, x, replay=replay)
     assert dict(result.param_grads)["fc.weight"].norm == pytest.approx(plain.fc.weight.grad.norm().item(), rel=1e-5)
-    (doubles,) = result.find("_DoublesBackward")
+    (doubles,) = result.find("_DoublesInPlaceBackward")
     assert doubles.grad_inputs[0].norm == pytest.approx(2 * doubles.grad_outputs[0].norm, rel=1e-6)
 
 

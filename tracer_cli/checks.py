@@ -136,6 +136,17 @@ def unmet_requirement(checks: Iterable[str], thresholds: Thresholds, asked_for: 
     return next((check for check in ("gradcheck", "replay") if check in checks and check not in asked_for), None)
 
 
+def merge_checks(configured: dict[str, tuple[str, ...]], given: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """``fail_on`` and ``warn_on`` (the keys of both mappings): those ``given`` (on the command line, a test's
+    keywords), and the ``configured`` ones (``[tool.gradtrace]``) less the checks ``given`` names: a check named
+    there replaces what the config says of it, and of it alone."""
+    named = {*given["fail_on"], *given["warn_on"]}
+    return {
+        key: tuple(dict.fromkeys([check for check in configured[key] if check not in named] + list(given[key])))
+        for key in ("fail_on", "warn_on")
+    }
+
+
 def parse_fail_on(text: str | Iterable[str] | None, option: str = "--fail-on") -> tuple[str, ...]:
     """``"nonfinite,divergence"`` (or a list of names) → ``("nonfinite", "divergence")``.
 

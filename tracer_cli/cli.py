@@ -480,6 +480,7 @@ def _options(ctx: typer.Context) -> _Options:
         CHECK_DEFAULT_FAILING,
         CheckPolicy,
         Thresholds,
+        merge_checks,
         parse_fail_on,
         unmet_requirement,
     )
@@ -513,18 +514,20 @@ def _options(ctx: typer.Context) -> _Options:
         both = [check for check in lists["fail_on"] if check in lists["warn_on"]]
         if both:
             raise UsageError(f"{', '.join(both)} named in both {where}", hint="name each check in one of them")
-    # a check named on the command line replaces what the config says of it; the config's others stay
-    named_here = {*command_line["fail_on"], *command_line["warn_on"]}
-    configured = {key: tuple(check for check in checks if check not in named_here) for key, checks in configured.items()}
-    fail_on, warn_on = (tuple(dict.fromkeys(configured[key] + command_line[key])) for key, _ in _CHECK_LISTS)
+    thresholds = Thresholds(params["max_grad_norm"], params["min_grad_norm"])
+    if not thresholds.active and {"max_grad_norm", "min_grad_norm"} & given:
+        # the thresholds switched off on the command line (--max-grad-norm inf): the config's norm check goes with them
+        configured = {key: tuple(check for check in checks if check != "norm") for key, checks in configured.items()}
+    merged = merge_checks(configured, command_line)
+    fail_on, warn_on = merged["fail_on"], merged["warn_on"]
+    one_process = ctx.params.get("nproc_per_node") is None and rank_info() is None
     # asked for on the command line of one process, it would check nothing (a config shared with torchrun jobs may)
     divergence_options = [f"--{option}" for key, option in _CHECK_LISTS if "divergence" in command_line[key]]
-    if divergence_options and ctx.params.get("nproc_per_node") is None and rank_info() is None:
+    if divergence_options and one_process:
         raise UsageError(
             f"{divergence_options[0]} divergence compares ranks: it needs torchrun (or --nproc-per-node N)",
             hint="run under torchrun --nproc-per-node N --no-python gradtrace check ..., or leave divergence out",
         )
-    one_process = ctx.params.get("nproc_per_node") is None and rank_info() is None
     ignored = [option for name, option in (("rank_seed", "--rank-seed"), ("ranks", "--ranks")) if name in given]
     if one_process and ignored:  # (a config shared with torchrun jobs may set them: said only of the command line)
         verb = "apply" if len(ignored) > 1 else "applies"
@@ -535,15 +538,10 @@ def _options(ctx: typer.Context) -> _Options:
         """How the user set it: ``--seed``, or ``seed in [tool.gradtrace]``."""
         return f"{option[2:]} in [tool.gradtrace]" if param in from_config else option
 
-    thresholds = Thresholds(params["max_grad_norm"], params["min_grad_norm"])
-    if not thresholds.active and {"max_grad_norm", "min_grad_norm"} & given and "norm" in fail_on + warn_on:
-        # the thresholds switched off on the command line (--max-grad-norm inf): the config's norm check goes with them
-        configured = {key: tuple(check for check in checks if check != "norm") for key, checks in configured.items()}
-        fail_on, warn_on = (tuple(check for check in checks if check != "norm" or check in command_line[key])
-                            for key, checks in (("fail_on", fail_on), ("warn_on", warn_on)))
     asked_for = [check for check in ("gradcheck", "replay") if params.get(check, False)]
+    named_here = {*command_line["fail_on"], *command_line["warn_on"]}  # (the config's word on these is replaced)
     named_checks = [(f"--{option}", command_line[key]) for key, option in _CHECK_LISTS]
-    named_checks += [(f"{option} in [tool.gradtrace]", configured[key]) for key, option in _CHECK_LISTS]
+    named_checks += [(f"{option} in [tool.gradtrace]", [c for c in configured[key] if c not in named_here]) for key, option in _CHECK_LISTS]
     for option, checks in named_checks:
         unmet = unmet_requirement(checks, thresholds, asked_for)  # checks that would find nothing, silently
         if unmet == "norm":

@@ -441,7 +441,7 @@ class InputSnapshot:
         self._torch = torch
         self._saved: list[tuple[Any, int, Any]] = []
         with torch.no_grad():
-            for tensor in _tensors_of((args, kwargs), torch.Tensor):
+            for tensor in tensors_in((args, kwargs), torch.Tensor):
                 if tensor.is_inference() or tensor.is_meta:
                     continue
                 try:
@@ -457,10 +457,10 @@ class InputSnapshot:
                     self._saved[index] = (tensor, tensor._version, value)
 
 
-def _tensors_of(value: Any, tensor_type: type) -> list[Any]:
-    """The tensors in nested tuples, lists and dicts, each once."""
+def tensors_in(value: Any, tensor_type: type) -> list[Any]:
+    """The tensors in nested tuples, lists and dicts (arguments, keyword arguments), each once."""
     if isinstance(value, tensor_type):
         return [value]
     items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
-    found = [tensor for item in items for tensor in _tensors_of(item, tensor_type)]
+    found = [tensor for item in items for tensor in tensors_in(item, tensor_type)]
     return list({id(tensor): tensor for tensor in found}.values())

@@ -42,18 +42,15 @@ class GradientChecker:
     ) -> Any:
         """:func:`tracer_cli.testing.assert_gradients_healthy` with the project's defaults; returns the Trace."""
         __tracebackhide__ = True
-        from .checks import parse_fail_on
+        from .checks import merge_checks, parse_fail_on
         from .testing import assert_gradients_healthy
 
         merged = {**self.defaults, **options}
         lists = ("fail_on", "warn_on")
         if any(key in options for key in lists) and any(key in self.defaults for key in lists):
             # a check named here replaces what the config says of it, and of it alone (as on the command line)
-            given = {key: parse_fail_on(options.get(key), option=key) for key in lists}
-            named = {*given["fail_on"], *given["warn_on"]}
-            for key in lists:
-                kept = [check for check in parse_fail_on(self.defaults.get(key), option=key) if check not in named]
-                merged[key] = tuple(dict.fromkeys(kept + list(given[key])))
+            given, configured = ({key: parse_fail_on(source.get(key), option=key) for key in lists} for source in (options, self.defaults))
+            merged.update(merge_checks(configured, given))
         return assert_gradients_healthy(model, args, kwargs, **merged)
 
     __call__ = assert_healthy

@@ -67,6 +67,7 @@ from .errors import (
     first_line,
     message_of,
 )
+from .inputs import tensors_in
 from .loss import compute_loss
 from .records import Gradcheck, GradStat, InputInfo, Meta, Node, NodeCall, Replay, Trace
 
@@ -594,7 +595,7 @@ class _ModuleTracker:
         if isinstance(output, dict):  # a ModelOutput, a dict of tensors
             output = list(output.values())
         # made before the call, maybe in another thread (keyword arguments too: a dict after the positional ones)
-        known = {t.grad_fn for t in _tensors_in_values(args, torch.Tensor)}
+        known = {t.grad_fn for t in tensors_in(args, torch.Tensor)}
         stack = [t.grad_fn for t in _tensors_in(output, torch.Tensor)]
         seen: set[Any] = set()
         while stack:
@@ -1940,9 +1941,13 @@ class _TraceSession:
                 self.modes.pop().__exit__(None, None, None)
         except Exception:
             self.errors.append((DURING_BACKWARD, traceback.format_exc()))
-        calls = self._received_at_start.get(node_id)
-        arrived = calls.pop() if calls else None
-        changed = arrived is not None and any(a is not None and _changed_since(*a) for a in arrived)
+        try:
+            calls = self._received_at_start.get(node_id)
+            arrived = calls.pop() if calls else None
+            changed = arrived is not None and any(a is not None and _changed_since(*a) for a in arrived)
+        except Exception:
+            self.errors.append((DURING_BACKWARD, traceback.format_exc()))
+            changed = False
         if not changed or self._replaying:
             return (self._on_run_now if self.replay else self._run_hook)(node_id, grad_inputs, grad_outputs)
         try:  # its backward changed what it received: that is logged as it arrived, and not replayed
@@ -2922,34 +2927,17 @@ def _changed_since(tensor: Any, version: int, copy: Any) -> bool:
     NaN where the copy has one is no change)."""
     if tensor._version != version:
         return True
-    if isinstance(copy, int) or _torch_equal(copy, tensor):
+    if isinstance(copy, int):  # (a large one: no copy, its version alone)
         return False
-    return not bool(((copy == tensor) | (copy.isnan() & tensor.isnan())).all())
-
-
-def _torch_equal(a: Any, b: Any) -> bool:
-    import torch
-
     try:
-        return torch.equal(a, b)
-    except RuntimeError:  # a layout or subclass torch.equal has no kernel for: the elementwise check
+        return not (copy.equal(tensor) or bool(((copy == tensor) | (copy.isnan() & tensor.isnan())).all()))
+    except RuntimeError:  # a layout or subclass without these ops: its version alone
         return False
 
 
 def _never(tensor: Any) -> bool:
     """In place of a check this torch lacks: no tensor is said to be in a torch.func transform."""
     return False
-
-
-def _tensors_in_values(value: Any, tensor_type: type) -> list[Any]:
-    """:func:`_tensors_in`, and those in dicts' values (keyword arguments, a batch passed as a dict)."""
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, tensor_type):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors_in_values(item, tensor_type)]
-    return []
 
 
 def _tensors_in(value: Any, tensor_type: type) -> list[Any]:
