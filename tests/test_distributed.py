@@ -636,6 +636,10 @@ def test_timeout_bounds_a_rank_that_hangs(tmp_path):
     assert any(line.startswith("gradtrace: error:") for line in j.lines(0, "stderr")), j
     # rank 0 names the rank that did not arrive (not "the first error above": there is none)
     assert "rank 1 did not finish tracing within --timeout 5 s" in "\n".join(j.lines(0, "stderr")), j
+    # the launcher says rank 0 failed, and that it stopped rank 1 (which did not fail: it was still asleep)
+    assert "gradtrace: rank 0 failed first" in j.stderr, j
+    assert "then stopped rank 1 (still running)" in j.stderr, j
+    assert "killed by signal" not in j.stderr, j
     assert "internal error" not in j.stderr, j
     assert_no_leftovers(j)
 

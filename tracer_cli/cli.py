@@ -1164,7 +1164,7 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
         code = group.broadcast(int(code))
         group.close()
     except BaseException as error:  # noqa: BLE001 - every failure ends this rank at once
-        from .distributed import lost_peer
+        from .distributed import lost_peer, ranks_text
         from .errors import ModelError
 
         echo = lost_peer(error) and not isinstance(error, KeyboardInterrupt)
@@ -1177,7 +1177,7 @@ def _run_ranks(options: _Options, info: Any) -> NoReturn:
             )
         elif echo and missing:
             error = ModelError(
-                f"{_ranks_text(missing)} did not finish tracing within --timeout {options.timeout:g} s (hung, or "
+                f"{ranks_text(missing)} did not finish tracing within --timeout {options.timeout:g} s (hung, or "
                 "that much slower than the others)",
                 hint=_SLOW_RANK_HINT,
             )
@@ -1238,10 +1238,6 @@ def _write_junit_quietly(options: _Options, reports: list[Any]) -> None:
         Path(options.junit_xml).write_text(junit_xml(reports), encoding="utf-8")
     except Exception:  # noqa: BLE001, S110 - the rank's own error is reported already
         pass
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _timed_out(error: BaseException) -> bool:

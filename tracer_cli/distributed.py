@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -176,6 +177,11 @@ class PeerLostError(ModelError):
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")  # gloo's words on rank 0
 
 
+def ranks_text(ranks: Sequence[int]) -> str:
+    """'rank 1', 'ranks 1, 3'."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
 def _describe_exit(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
@@ -250,9 +256,15 @@ def launch(nproc_per_node: int, argv: Sequence[str]) -> int:
         first_rank, first = failures[0]
         if first.exitcode == ExitCode.GRADIENT_PROBLEMS:
             return ExitCode.GRADIENT_PROBLEMS
-        others = ", ".join(f"rank {rank} ({_describe_exit(f.exitcode)})" for rank, f in failures[1:])
+        # the agent stops the workers still running when one fails, by SIGTERM: they did not fail
+        stopped = [rank for rank, f in failures[1:] if f.exitcode == -signal.SIGTERM]
+        others = ", ".join(f"rank {rank} ({_describe_exit(f.exitcode)})" for rank, f in failures[1:] if rank not in stopped)
         message = f"gradtrace: rank {first_rank} failed first ({_describe_exit(first.exitcode)})"
-        sys.stderr.write(message + (f"; then {others}" if others else "") + "\n")
+        if others:
+            message += f"; then {others}"
+        if stopped:
+            message += f"; then stopped {ranks_text(stopped)} (still running)"
+        sys.stderr.write(message + "\n")
         code = first.exitcode
         return code if code > 0 else 128 - code if code < 0 else 1
     except SignalException as exc:  # the agent stopped its workers: 128 + the signal, as a shell has it (Ctrl-C: 130)
