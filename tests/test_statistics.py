@@ -498,22 +498,36 @@ def test_a_post_accumulate_grad_hook_is_held_back_during_the_trace(size):
 
 
 @pytest.mark.parametrize("size", [16, 40000], ids=["small", "large"])
-def test_a_hook_on_the_accumulategrad_node_that_scales_grad_shows_in_param_grads(size):
-    """The older pattern (DeepSpeed's): a post hook on the parameter's AccumulateGrad node, which runs during
-    the trace. param_grads is .grad as backward left it, the leaf what arrived."""
+def test_a_hook_on_the_accumulategrad_node_is_held_back_during_the_trace(size):
+    """The older form of an optimizer or gradient buffer in backward (Megatron's and DeepSpeed's ``main_grad``): a
+    post hook on the parameter's AccumulateGrad node that adds ``.grad`` into a buffer and clears it. Mid-training
+    (after one micro-batch), a trace must leave the buffer as it was: the hook does not run during the trace, is
+    still there afterwards, and runs in the user's own backward. The leaf and param_grads are what arrived."""
     torch.manual_seed(0)
     model = torch.nn.Linear(size, 4)
-    accumulator = model.weight.view_as(model.weight).grad_fn.next_functions[0][0]  # kept: the hook lives on it
+    weight = model.weight
+    weight.main_grad = torch.zeros_like(weight)
+    accumulator = weight.view_as(weight).grad_fn.next_functions[0][0]  # kept: the hook lives on it
+    calls = []
 
-    def scale(grad_inputs, grad_outputs):
-        model.weight.grad.mul_(10.0)
+    def into_main_grad(grad_inputs, grad_outputs):
+        calls.append(1)
+        weight.main_grad.add_(weight.grad)
+        weight.grad = None
 
-    accumulator.register_hook(scale)
+    accumulator.register_hook(into_main_grad)
     x = torch.randn(3, size)
+    model(x).sum().backward()  # one micro-batch
+    assert calls == [1] and weight.grad is None
+    buffer = weight.main_grad.clone()
     result = trace(model, x)
-    model(x).sum().backward()
-    assert dict(result.param_grads)["weight"].norm == pytest.approx(float(model.weight.grad.double().norm()), rel=1e-5)
-    assert result.leaf("weight").grad_norm == pytest.approx(float(model.weight.grad.double().norm()) / 10.0, rel=1e-5)
+    assert calls == [1] and torch.equal(weight.main_grad, buffer) and weight.grad is None
+    arrived = []
+    weight.register_hook(lambda grad: arrived.append(float(grad.double().norm())))
+    model(x).sum().backward()  # the next micro-batch: the hook is still there
+    assert calls == [1, 1] and torch.equal(weight.main_grad, 2 * buffer)
+    assert result.leaf("weight").grad_norm == pytest.approx(arrived[0], rel=1e-5)
+    assert dict(result.param_grads)["weight"].norm == pytest.approx(arrived[0], rel=1e-5)
     del accumulator
 
 

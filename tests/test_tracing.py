@@ -1460,7 +1460,8 @@ def test_a_trace_shows_itself_in_one_line_in_a_repl():
 
 def test_a_parameter_whose_grad_backward_filled_is_not_without_gradient():
     """DDP with find_unused_parameters fills the .grad of a parameter this rank did not use (its all-reduce
-    brings the other ranks' gradients): not a parameter that received no gradient. Here a hook does the same."""
+    brings the other ranks' gradients): not a parameter that received no gradient. Here a callback queued from a
+    tensor hook does the same, at the end of backward, as DDP's reducer does."""
 
     class Partly(nn.Module):
         def __init__(self):
@@ -1468,19 +1469,21 @@ def test_a_parameter_whose_grad_backward_filled_is_not_without_gradient():
             self.used, self.unused = nn.Linear(2, 2), nn.Linear(2, 2)
 
         def forward(self, x):
-            return self.used(x)
+            out = self.used(x)
+            out.register_hook(queue_fill)
+            return out
 
     model = Partly()
-    accumulator = model.used.weight.view_as(model.used.weight).grad_fn.next_functions[0][0]
 
-    def fill(grad_inputs, grad_outputs):
+    def fill():
         model.unused.weight.grad = torch.ones_like(model.unused.weight)
 
-    accumulator.register_hook(fill)
+    def queue_fill(grad):
+        torch.autograd.Variable._execution_engine.queue_callback(fill)
+
     result = trace(model, torch.randn(3, 2))
     assert result.params_without_grad == ("unused.bias",)
     assert dict(result.param_grads)["unused.weight"].norm == pytest.approx(2.0)
-    del accumulator
 
 
 # Code a plain function reaches through a class of its file, a decorator, and a decorated top-level function.

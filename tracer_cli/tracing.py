@@ -1655,6 +1655,9 @@ class _TraceSession:
         # node -> node id (nodes compare and hash by identity)
         self.index: dict[Any, int | None] = {None: None}
         self.handles: list[Any] = []  # what register_hook returned: our hooks' dicts (see _node_hooks), or handles
+        # hook dicts of the user's held back while the trace runs, and what they held: a leaf's post-accumulate-grad
+        # hooks, and its AccumulateGrad node's post hooks (_hold_post_hooks); trace() puts them back
+        self.held_hooks: list[tuple[dict, dict]] = []
         self._hook_key = object()  # our hooks' key in those dicts
         # the hook dict of every ordinary node without hooks of the user's: the shared hook, under our key
         self._shared_hooks = _SharedHooks()
@@ -1764,6 +1767,8 @@ class _TraceSession:
                     # gets grad_outputs alone; AccumulateGrad sends nothing on, its grad_inputs are ()
                     add_handle(node.register_prehook(partial(on_run, node_id, ())))
                     self.leaf_ids.append(node_id)
+                    if fast:
+                        self._hold_post_hooks(node)
                 elif isinstance(node, custom_type):
                     add_handle(node.register_prehook(partial(self._on_custom_start, node_id)))
                     add_handle(node.register_hook(partial(self._on_custom_run, node_id)))
@@ -1851,6 +1856,20 @@ class _TraceSession:
                     values[id(grad_fn)] = (grad_fn, slots[id(tensor)] if tensor._version == version else NO_VALUE)
         except Exception:  # never break the user's forward; report after it
             self.errors.append((RECORDING_FORWARD, traceback.format_exc()))
+
+    def _hold_post_hooks(self, node: Any) -> None:
+        """Hold back the user's post hooks on an AccumulateGrad node while the trace runs, as post-accumulate-grad
+        hooks are: the older form of the same thing (Megatron's and DeepSpeed's ``main_grad`` buffers, FSDP1's
+        reduction), which adds ``.grad`` into state of the user's. Run during a trace, a step mid-training would
+        count one micro-batch twice. (The engine ignores what such a hook returns: it cannot change a gradient.)
+        Inside :func:`_node_hooks` only, whose probe reads the node's hook dict without adding one."""
+        try:
+            hooks = node.register_hook(_PROBE)
+        except _NoHookDict:
+            return
+        if hooks:
+            self.held_hooks.append((hooks, dict(hooks)))
+            hooks.clear()
 
     def discover_in_backward(self, output: Any) -> None:
         if self._replaying:  # nodes a replay makes (a custom backward's own autograd, run again) are not this backward's
@@ -2505,11 +2524,22 @@ _fast_hooks_lock = threading.Lock()
 _torch_register_hook: Any = None  # torch's own _HookMixin._register_hook while ours is in its place
 
 
+class _NoHookDict(Exception):
+    """The node has no hook dict (:data:`_PROBE`)."""
+
+
+_PROBE = object()  # registered as a hook inside _node_hooks(): the node's hook dict is returned, and nothing added
+
+
 def _register_hook(hooks: Any, hook: Callable) -> tuple[Any, Any]:
     fast = _fast_hook_keys.get(threading.get_ident())
     if fast is None:
         return _torch_register_hook.__func__(hooks, hook)
     key, shared, shared_hooks = fast
+    if hook is _PROBE:
+        if hooks is None:
+            raise _NoHookDict  # before torch adds a dict to the node
+        return hooks, hooks
     if hooks is None:
         if hook is shared:
             return shared_hooks, shared_hooks
@@ -3059,8 +3089,10 @@ def trace(
     backward are recorded, then discarded), each module's training flag, and each
     module's buffers (BatchNorm's running statistics, which a forward in train mode
     updates) as they were before forward. Post-accumulate-grad hooks (an optimizer
-    step in backward) are held back while the trace's backward runs, so they take no
-    step; ``param_grads`` is each ``.grad`` as accumulated, before any such hook.
+    step in backward), and post hooks on a parameter's AccumulateGrad node (the older
+    form: Megatron's ``main_grad``), are held back while the trace's backward runs, so
+    they take no step and add to no buffer; ``param_grads`` is each ``.grad`` as
+    accumulated, before any such hook.
     """
     import torch
 
@@ -3078,7 +3110,7 @@ def trace(
     session = _TraceSession(leaves, input_names, tracker)
     training = [(module, module.training) for _, module in modules]
     saved_buffers = _saved_buffers(modules)
-    held_hooks: list[tuple[dict, dict]] = []  # a leaf's post-accumulate-grad hooks, held back during backward
+    held_hooks = session.held_hooks  # the user's hooks held back while the trace runs (see _hold_post_hooks)
     # each parameter's .grad as the caller left it, before forward: a loss_fn may run a backward of its own
     saved_grads: dict[int, tuple[Any, Any]] = {id(leaf.tensor): (leaf.tensor, leaf.tensor.grad) for leaf in leaves.values()}
     claim = _claim_leaves(leaves)
