@@ -1561,3 +1561,134 @@ def test_forward_values_of_an_in_place_op_on_a_subclass_without_a_base_do_not_br
     (plain * 2 + 1).sum().backward()
     assert result.meta.loss == pytest.approx(float((w.detach() * 2 + 1).sum()))
     assert result.leaf("input:0").grad_outputs[0].norm == pytest.approx(plain.grad.norm().item())
+
+
+# Modes of the user's around a trace, or in forward: they see the step, not gradtrace's own work -----------------
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops that reach the dispatcher, by name; with ``refuse``, an op that reads a value to the host raises
+    (as a guard of code meant for CUDA graphs does)."""
+
+    def __init__(self, refuse: bool = False):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.refuse = refuse
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.refuse and func is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError("a host read inside the step")
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _CallLog(torch.overrides.TorchFunctionMode):
+    """The torch calls of Python code (functions, methods, properties), by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: collections.Counter = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls[getattr(func, "__name__", str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _guarded_step_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 300), nn.Tanh(), nn.Linear(300, 80), nn.ReLU(), nn.Linear(80, 1))  # large grads and small
+
+
+@pytest.mark.parametrize("forward_stats", [False, True])
+@pytest.mark.parametrize("replay", [False, True])
+def test_modes_around_a_trace_see_the_steps_ops_and_none_of_gradtraces(forward_stats, replay):
+    """A dispatch mode and a function mode wrapped around trace() (a FLOP counter's way, an op log, a guard that
+    refuses host reads): the trace passes the guard, and they log the same ops as around a plain step, not the
+    norms, copies, reads and attribute lookups gradtrace adds."""
+    model, x = _guarded_step_model(), torch.randn(4, 8)
+
+    def loss_fn(out):
+        return out.pow(2).mean()
+
+    expected = plain_grads(model, (x,), loss_fn=loss_fn)
+    with _OpLog(refuse=True) as plain_ops, _CallLog() as plain_calls:
+        loss_fn(model(x)).backward()
+    model.zero_grad(set_to_none=True)
+    with _OpLog(refuse=True) as traced_ops, _CallLog() as traced_calls:
+        result = trace(model, (x,), loss_fn=loss_fn, forward_stats=forward_stats, replay=replay)
+    # where AccumulateGrad takes a gradient as .grad, it detaches it if nothing else holds it, and copies it
+    # otherwise (into new_empty_strided): gradtrace holds small gradients for a batched norm
+    taken = ("detach", "copy_", "new_empty_strided")
+    assert collections.Counter({k: v for k, v in traced_ops.ops.items() if k not in taken}) == collections.Counter(
+        {k: v for k, v in plain_ops.ops.items() if k not in taken}
+    )
+    assert traced_ops.ops["detach"] + traced_ops.ops["copy_"] == plain_ops.ops["detach"] + plain_ops.ops["copy_"]
+    assert traced_ops.ops["copy_"] - plain_ops.ops["copy_"] == traced_ops.ops["new_empty_strided"] - plain_ops.ops["new_empty_strided"]
+    # the loss's size, asked before its backward (numel, dim) is all the function mode sees besides the step
+    assert traced_calls.calls - collections.Counter(numel=1, dim=1) == plain_calls.calls
+    for name, grad in expected.items():
+        if name.startswith("input:"):
+            continue
+        assert dict(result.param_grads)[name].norm == pytest.approx(float(grad.double().norm()), rel=1e-5)
+    assert torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
+
+
+def test_a_mode_the_models_forward_enters_does_not_see_forward_values_taken():
+    """The forward of a model runs under a guard of its own that refuses host reads; its step passes it. With
+    forward values (--json, torchrun), their norms, read at once on the CPU, must not run inside the guard."""
+
+    class Guarded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _guarded_step_model()
+
+        def forward(self, x):
+            with _OpLog(refuse=True):
+                return self.body(x)
+
+    model, x = Guarded(), torch.randn(64, 8)  # 64 x 300 activations: normed at once (read) on the CPU
+
+    def loss_fn(out):
+        return out.sum()
+
+    expected = plain_grads(model, (x,), loss_fn=loss_fn)
+    result = trace(model, (x,), loss_fn=loss_fn, forward_stats=True)
+    assert all(n.forward is not None for n in result.nodes if n.name == "AddmmBackward0")
+    for name, grad in expected.items():
+        if name.startswith("input:"):
+            continue
+        assert dict(result.param_grads)[name].norm == pytest.approx(float(grad.double().norm()), rel=1e-5)
+
+
+def test_a_custom_backward_under_a_mode_of_the_users_still_makes_hooked_nodes():
+    """A custom Function whose backward runs ops that make nodes (create_graph) while the user's function mode is
+    active: gradtrace's own mode for such nodes is entered and left around the user's, which stays."""
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return grad * 2 * x
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return Square.apply(self.layer(x)).sum()
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(3, 4)
+    expected = plain_grads(model, (x,))
+    with _CallLog() as calls:
+        result = trace(model, (x,))
+        assert torch._C._len_torch_function_stack() == 1
+    assert calls.calls["backward"] == 1 and calls.calls["linear"] == 1
+    assert result.find("SquareBackward") and result.find("SquareBackward")[0].order is not None
+    assert dict(result.param_grads)["layer.weight"].norm == pytest.approx(float(expected["layer.weight"].double().norm()), rel=1e-5)

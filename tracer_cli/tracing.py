@@ -1106,6 +1106,98 @@ TINY_NORM_64 = 2.0**-480
 
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entered once per hook call that queues norms at once
+
+
+# gradtrace's own tensor work (statistics, copies, replays, checks, even a tensor's numel()) is kept out of
+# sight of the modes of the user's (TorchFunctionMode, TorchDispatchMode) active around trace() or in forward:
+# a FLOP counter or an op log would count it, and a guard that refuses host reads (code meant for CUDA graphs
+# checks itself so) would refuse the norms read on the CPU. The step's own forward and backward stay in them.
+@contextlib.contextmanager
+def _modes_set_aside(torch: Any) -> Iterator[None]:
+    """Every TorchFunctionMode and TorchDispatchMode off this thread's stacks while the block runs, then back."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    functions = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        for mode in reversed(functions):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+def _own_ops(torch: Any) -> contextlib.AbstractContextManager:
+    """:func:`_modes_set_aside` where a mode is active; nothing to do where none is (the usual case)."""
+    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        return _modes_set_aside(torch)
+    return _NO_CONTEXT
+
+
+class _ModesAside:
+    """The user's modes set aside while trace() runs (:func:`_modes_set_aside`), but for the user's own code
+    (forward, the loss, backward: :func:`_user_modes`), which runs in them as in a plain step."""
+
+    def __init__(self, torch: Any) -> None:
+        self._torch = torch
+        self._aside: contextlib.AbstractContextManager | None = None
+
+    def __enter__(self) -> _ModesAside:
+        self._aside = _modes_set_aside(self._torch)
+        self._aside.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        aside, self._aside = self._aside, None
+        if aside is not None:
+            aside.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def user_code(self) -> Iterator[None]:
+        self.__exit__()
+        try:
+            yield
+        finally:
+            self.__enter__()
+
+
+_asides = threading.local()  # .stack: this thread's _ModesAside of each trace() running (nested: a loss_fn's own)
+
+
+def _user_modes_aside(function: Callable) -> Callable:
+    """``trace()`` with the user's modes set aside where modes are active (:class:`_ModesAside`)."""
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if not (torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack()):
+            return function(*args, **kwargs)
+        stack = _asides.__dict__.setdefault("stack", [])
+        with _ModesAside(torch) as aside:
+            stack.append(aside)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                stack.pop()
+
+    return run
+
+
+def _user_modes() -> contextlib.AbstractContextManager:
+    """Where trace() runs the user's code: the user's modes back, if :func:`_user_modes_aside` set them aside."""
+    stack = getattr(_asides, "stack", None)
+    return stack[-1].user_code() if stack else _NO_CONTEXT
+
+
+def _out_of_user_modes(method: Callable) -> Callable:
+    """A session method that runs gradtrace's own tensor work: with the user's modes set aside (:func:`_own_ops`)."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any) -> Any:
+        with _own_ops(self._torch):
+            return method(self, *args)
+
+    return run
 _SHAPE, _DTYPE, _LAYOUT = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("layout")
 
 
@@ -1793,7 +1885,7 @@ class _TraceSession:
                 self.backward_ids[node_id] = (nodes[node_id]._sequence_nr(), nodes[node_id].name())
         if self.forward_stats:
             self.flush_forward()
-            with self._torch.no_grad():
+            with self._torch.no_grad(), _own_ops(self._torch):
                 for node_id in range(start, len(nodes)):
                     node = nodes[node_id]
                     if type(node) is leaf_type:  # a leaf's forward value is the tensor itself
@@ -1804,6 +1896,7 @@ class _TraceSession:
                         if recorded is not None:
                             self.forward_slots[node_id] = recorded[1]
 
+    @_out_of_user_modes
     def record_forward(self, output: Any) -> None:
         """Queue the norm of an op's output tensors under the node that produced them.
 
@@ -1839,6 +1932,7 @@ class _TraceSession:
         except Exception:  # never break the user's forward; report after it
             self.errors.append((RECORDING_FORWARD, traceback.format_exc()))
 
+    @_out_of_user_modes
     def flush_forward(self) -> None:
         """Take the norms of the forward values that wait (:meth:`record_forward`), in batches."""
         pending, self.forward_pending = self.forward_pending, []
@@ -1871,6 +1965,7 @@ class _TraceSession:
             self.held_hooks.append((hooks, dict(hooks)))
             hooks.clear()
 
+    @_out_of_user_modes
     def discover_in_backward(self, output: Any) -> None:
         if self._replaying:  # nodes a replay makes (a custom backward's own autograd, run again) are not this backward's
             return
@@ -1891,13 +1986,17 @@ class _TraceSession:
 
         waiting = 0  # elements, since this hook last flushed
         node_of, current, stats, held = self.index.get, self._current_node, self.stats, self._held_large.setdefault
+        function_modes, dispatch_modes, torch = self._torch._C._len_torch_function_stack, self._torch._C._len_torch_dispatch_stack, self._torch
 
-        def on_run(node_id: int | None, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        def on_run(node_id: int | None, grad_inputs: tuple, grad_outputs: tuple, aside: bool = False) -> None:
             """Log the call. Small gradients wait (held) for a batched norm; a large one is not kept: the
             norms of a call's gradients are queued at once if one has more than SMALL_NUMEL elements.
             ``node_id`` None: the shared hook's call, for the node the engine runs in this thread.
             Not used with --replay, so no replayed call comes here."""
             nonlocal waiting
+            if not aside and (function_modes() or dispatch_modes()):  # the user's modes: set aside, this hook again
+                with _modes_set_aside(torch):
+                    return session._run_hook(node_id, grad_inputs, grad_outputs, True)  # (by name: no cycle)
             try:
                 if node_id is None:
                     node_id = node_of(current())
@@ -1928,7 +2027,19 @@ class _TraceSession:
 
     def _on_custom_start(self, node_id: int, grad_outputs: Any) -> None:
         """A custom Function's backward is about to run: Python that may change gradients in place, or
-        make nodes. Norms still pending are taken first, and a mode hooks the nodes its ops make."""
+        make nodes. Norms still pending are taken first, and a mode hooks the nodes its ops make (on top of
+        the user's modes, which are set aside meanwhile: see _modes_set_aside)."""
+        self._before_custom(node_id, grad_outputs)
+        try:
+            mode = self._mode_class(self)
+            mode.__enter__()
+            self.modes.append(mode)
+            self.running_custom.append(node_id)
+        except Exception:  # never break the user's backward; report after it
+            self.errors.append((DURING_BACKWARD, traceback.format_exc()))
+
+    @_out_of_user_modes
+    def _before_custom(self, node_id: int, grad_outputs: Any) -> None:
         try:
             self.flush()
             if not self._replaying:
@@ -1946,10 +2057,6 @@ class _TraceSession:
                         with self._outside_graph(), self._lock:
                             arrived.append((grad, grad._version, self._slot_now(grad)))
                 self._received_at_start.setdefault(node_id, []).append(arrived)  # (a backward may run it again inside)
-            mode = self._mode_class(self)
-            mode.__enter__()
-            self.modes.append(mode)
-            self.running_custom.append(node_id)
         except Exception:  # never break the user's backward; report after it
             self.errors.append((DURING_BACKWARD, traceback.format_exc()))
 
@@ -1957,9 +2064,13 @@ class _TraceSession:
         try:
             if self.running_custom and self.running_custom[-1] == node_id:
                 self.running_custom.pop()
-                self.modes.pop().__exit__(None, None, None)
+                self.modes.pop().__exit__(None, None, None)  # (the top mode: before the user's are set aside)
         except Exception:
             self.errors.append((DURING_BACKWARD, traceback.format_exc()))
+        return self._after_custom(node_id, grad_inputs, grad_outputs)
+
+    @_out_of_user_modes
+    def _after_custom(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
         try:
             calls = self._received_at_start.get(node_id)
             arrived = calls.pop() if calls else None
@@ -1983,6 +2094,7 @@ class _TraceSession:
             self.errors.append((DURING_BACKWARD, traceback.format_exc()))
         return None
 
+    @_out_of_user_modes
     def _on_run_now(self, node_id: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
         """Any node with ``--replay``: statistics now, then the node is run again from what it received."""
         if self._replaying:
@@ -3018,6 +3130,7 @@ class collection_paused:  # a context manager, named as contextlib's are
             gc.enable()
 
 
+@_user_modes_aside
 @_with_grad
 def trace(
     model: Callable[..., Any],
@@ -3129,6 +3242,7 @@ def trace(
         # forward values, a mode runs per op anyway (line tracing would slow its every frame): it records them
         by_lines = session.sites is not None and not (stacks or forward_stats or tracker.compiled) and sys.gettrace() is None
         with contextlib.ExitStack() as forward_context:
+            forward_context.enter_context(_user_modes())  # (first: gradtrace's own modes go on top of them)
             forward_context.enter_context(_renumbering_inner_backwards(session.renumbered))
             if forward_stats or (session.sites is not None and not by_lines):
                 forward_context.enter_context(_forward_mode_class()(session, None if by_lines else session.sites))
@@ -3190,7 +3304,7 @@ def trace(
             from .gradcheck import recording_calls
 
             calls = session.custom_calls if gradcheck or replay else None
-            with recording_calls(calls, keep_args=gradcheck, on_output=session.discover_in_backward):
+            with _user_modes(), recording_calls(calls, keep_args=gradcheck, on_output=session.discover_in_backward):
                 loss.backward()
         except USER_CODE_ERRORS as exc:
             if session.errors:
