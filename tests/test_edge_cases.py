@@ -13,6 +13,7 @@ import collections
 import contextlib
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
@@ -1692,3 +1693,37 @@ def test_a_custom_backward_under_a_mode_of_the_users_still_makes_hooked_nodes():
     assert calls.calls["backward"] == 1 and calls.calls["linear"] == 1
     assert result.find("SquareBackward") and result.find("SquareBackward")[0].order is not None
     assert dict(result.param_grads)["layer.weight"].norm == pytest.approx(float(expected["layer.weight"].double().norm()), rel=1e-5)
+
+
+def _passes(h):
+    return h
+
+
+def test_a_trace_function_set_in_forward_stays_set():
+    """A debugger started inside forward (``breakpoint()``: pdb sets its trace function) keeps tracing: the line
+    tracing gradtrace uses for creation sites steps aside, neither turned off and on around a module call with no
+    user code (the debugger's calls after it would be missed) nor removed at the end of forward."""
+    calls = []
+
+    def debugger(frame, event, arg):
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+        return None
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            sys.settrace(debugger)
+            h = self.a(x)  # torch's module: no user code in it
+            return self.b(_passes(h)).sum()
+
+    try:
+        result = trace(Model(), torch.randn(2, 4))
+        assert sys.gettrace() is debugger
+    finally:
+        sys.settrace(None)
+    assert "_passes" in calls
+    assert result.find("AddmmBackward0")

@@ -419,14 +419,17 @@ class _ModuleTracker:
         names = {id(module): name for name, module in hooked}
         enter, exit_, find = self._enter, self._exit, names.get
         opaque = _opaque_modules(hooked) if sys.version_info < (3, 12) else set()
-        settrace, get_ident = sys.settrace, threading.get_ident
+        settrace, gettrace, get_ident = sys.settrace, sys.gettrace, threading.get_ident
+        quieted: list[int] = []  # the opaque module whose call turned line tracing off, until it returns
 
         def pre(module: Any, args: Any) -> None:
             key = id(module)
             name = find(key)
             if name is not None:
-                if key in opaque and self.line_tracer is not None and get_ident() == self._record_thread:
+                # (where line tracing is still ours: a debugger started in forward has put its own in its place)
+                if key in opaque and self.line_tracer is not None and get_ident() == self._record_thread and gettrace() is self.line_tracer:
                     settrace(None)  # first: the calls below are not traced either
+                    quieted.append(key)
                 enter(name, module, args)
 
         def post(module: Any, args: Any, *kwargs_output: Any) -> None:
@@ -437,8 +440,10 @@ class _ModuleTracker:
             if name is not None:
                 kwargs = kwargs_output[0] if len(kwargs_output) == 2 else None
                 exit_(name, module, (*args, kwargs) if kwargs else args, kwargs_output[-1])
-                if key in opaque and self.line_tracer is not None and get_ident() == self._record_thread:
-                    settrace(self.line_tracer)  # last, for the same reason
+                if quieted and quieted[-1] == key and get_ident() == self._record_thread:
+                    quieted.pop()
+                    if self.line_tracer is not None and gettrace() is None:
+                        settrace(self.line_tracer)  # last, for the same reason
 
         self._handles.append(register_module_forward_pre_hook(pre))
         with_kwargs = {"with_kwargs": True} if "with_kwargs" in inspect.signature(register_module_forward_hook).parameters else {}
@@ -479,7 +484,7 @@ class _ModuleTracker:
             return
         global_pre_hooks = torch_module._global_forward_pre_hooks
         tracing_state = torch._C._get_tracing_state
-        settrace, get_ident = sys.settrace, threading.get_ident
+        settrace, gettrace, get_ident = sys.settrace, sys.gettrace, threading.get_ident
         enter, exit_ = self._enter, self._exit
 
         def direct(name: str, module: Any, off: bool) -> Callable:
@@ -491,7 +496,8 @@ class _ModuleTracker:
                     or module._backward_pre_hooks or len(global_pre_hooks) != 1 or tracing_state()
                 ):  # fmt: skip
                     return call_impl(*args, **kwargs)
-                quiet = off and self.line_tracer is not None and get_ident() == self._record_thread
+                # (where line tracing is still ours: a debugger started in forward has put its own in its place)
+                quiet = off and self.line_tracer is not None and get_ident() == self._record_thread and gettrace() is self.line_tracer
                 if quiet:
                     settrace(None)  # first: the calls below are not traced either
                 enter(name, module, args)
@@ -501,7 +507,7 @@ class _ModuleTracker:
                     return output
                 finally:
                     exit_(name, module, (*args, kwargs) if kwargs else args, output)
-                    if quiet:
+                    if quiet and self.line_tracer is not None and gettrace() is None:
                         settrace(self.line_tracer)  # last, for the same reason
 
             return call
@@ -929,7 +935,8 @@ class _SiteRecorder:
         finally:
             if tracker is not None:
                 tracker.line_tracer = None
-            sys.settrace(None)
+            if sys.gettrace() is on_call:  # (a debugger started in forward keeps its own)
+                sys.settrace(None)
             entered.clear()  # frames still running now (the caller's)
             tracers.clear()
             bases.clear()
