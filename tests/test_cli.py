@@ -843,6 +843,48 @@ def test_a_model_file_that_changes_folder_or_torch_modes_does_not_move_the_rest(
     assert os.getcwd() == str(tmp_path)
 
 
+def test_global_module_hooks_a_model_file_registers_stay_with_its_target(runner, tmp_path, monkeypatch):
+    """Process-wide module hooks a file registers at import (a NaN guard on every module's output, a logger)
+    are removed after its target: the next target of ``check`` is traced without them, whatever the order."""
+    import torch.nn.modules.module as module_globals
+
+    write_model(
+        tmp_path,
+        """
+        import torch
+        from torch.nn.modules.module import register_module_forward_hook, register_module_full_backward_hook
+
+        def guard(module, args, output):
+            if getattr(module, "planted", False):
+                raise RuntimeError("first.py's guard ran on another file's model")
+
+        register_module_forward_hook(guard)
+        register_module_full_backward_hook(lambda module, grad_input, grad_output: None)
+        model = torch.nn.Linear(3, 1)
+        def example_inputs():
+            return torch.randn(2, 3)
+        """,
+        name="first.py",
+    )
+    write_model(
+        tmp_path,
+        """
+        import torch
+        model = torch.nn.Sequential(torch.nn.Linear(3, 1))
+        model.planted = True
+        def example_inputs():
+            return torch.randn(2, 3)
+        """,
+        name="second.py",
+    )
+    monkeypatch.chdir(tmp_path)
+    before = {name: dict(value) for name, value in vars(module_globals).items() if name.startswith("_global_") and isinstance(value, dict)}
+    result = invoke(runner, "check", "first.py", "second.py")
+    assert result.exit_code == 0, result.output
+    after = {name: dict(value) for name, value in vars(module_globals).items() if name.startswith("_global_") and isinstance(value, dict)}
+    assert after == before
+
+
 def test_a_model_on_the_meta_device_is_a_model_error(runner, tmp_path):
     model = write_model(
         tmp_path,
