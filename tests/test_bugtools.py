@@ -1566,3 +1566,23 @@ def test_a_forward_nan_inside_a_reentrant_checkpoint_says_its_ops_are_not_record
     assert "reentrant checkpoint" in result.unrecorded_note(made) and "use_reentrant=False" in result.unrecorded_note(made)
     (finding,) = nonfinite_findings(result)
     assert finding.node == made.id
+
+
+def test_torchs_own_backward_hook_functions_are_not_gradchecked():
+    """A module's full backward hook puts torch's BackwardHookFunction around the module (identity functions):
+    PyTorch's own, not checked nor counted as the user's custom Functions."""
+    doubled = _elementwise_function("Doubled", lambda x: 2 * x, lambda x: 2 + 0 * x)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 1)
+            self.fc2.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+
+        def forward(self, x):
+            return self.fc2(doubled.apply(self.fc1(x)))
+
+    result = trace(Net(), torch.randn(2, 4), gradcheck=True)
+    checked = [n.name for n in result.nodes if n.gradcheck is not None]
+    assert checked == ["DoubledBackward"]
+    assert any(n.name == "BackwardHookFunctionBackward" for n in result.nodes)

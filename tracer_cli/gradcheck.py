@@ -27,9 +27,10 @@ from .errors import first_line
 from .records import Gradcheck
 from .tracing import _PerThread, _tensors_in
 
-# Functions of PyTorch's own machinery: their "backward" is autograd itself (a checkpoint), or code torch.compile
-# generated from autograd's (a compiled region, whose backward also runs only once): nothing of the user's to check.
-SKIPPED = frozenset({"CheckpointFunction", "CompiledFunction"})
+# Functions of PyTorch's own machinery: their "backward" is autograd itself (a checkpoint), code torch.compile
+# generated from autograd's (a compiled region, whose backward also runs only once), or an identity that calls a
+# module's full backward hooks (BackwardHookFunction): nothing of the user's to check.
+SKIPPED = frozenset({"CheckpointFunction", "CompiledFunction", "BackwardHookFunction"})
 _STEP = 1e-8  # the central difference's step, times a standard normal direction
 RTOL = 1e-3  # PyTorch gradcheck's own relative tolerance
 _ROUNDING = 10 * 2.0**-52  # float64 rounding of each output value, with a margin
