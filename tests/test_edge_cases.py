@@ -1202,6 +1202,28 @@ def test_a_full_backward_hook_s_nodes_belong_to_its_module():
     assert seen == [1]  # the user's hook ran, once
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # torch's: the first module's input needs no grad
+@pytest.mark.parametrize("kind", ["full", "pre"])
+def test_a_global_backward_hook_s_nodes_belong_to_each_module(kind):
+    """The same with a hook for every module (register_module_full_backward_hook, a gradient logger for each
+    layer; or its pre-hook twin): each module's output wrapper is its own, not its parent's."""
+    from torch.nn.modules import module as torch_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Tanh())
+    register = torch_module.register_module_full_backward_hook if kind == "full" else torch_module.register_module_full_backward_pre_hook
+    handle = register(lambda module, *grads: None)
+    try:
+        result = trace(model, (torch.randn(2, 4),))
+    finally:
+        handle.remove()
+    hooked = [n for n in result.nodes if n.name == "BackwardHookFunctionBackward"]
+    # every module wraps its output (the root's too), and each module but the first its input
+    by_module = collections.Counter(n.module for n in hooked)
+    assert by_module == {"": 1, "0": 1, "1": 2, "2": 2}, [(n.name, n.module) for n in result.nodes]
+    assert next(n for n in result.nodes if n.name == "TanhBackward0").module == "2"
+
+
 class _FrozenThenScaled(nn.Module):
     def __init__(self):
         super().__init__()

@@ -329,6 +329,9 @@ class _ModuleTracker:
         import torch
 
         self._next_sequence_nr = torch._C._autograd._get_sequence_nr  # per thread, like _sequence_nr()
+        # backward hooks for every module (torch changes these dicts in place): see _output_hook_node
+        self._global_backward_hooks = vars(torch.nn.modules.module).get("_global_backward_hooks", {})
+        self._global_backward_pre_hooks = vars(torch.nn.modules.module).get("_global_backward_pre_hooks", {})
         self._modules = modules
         self._leaves = leaves
         # id(parameter) -> _Leaf: parameters a module held while it ran that are not the model's own, e.g.
@@ -561,7 +564,9 @@ class _ModuleTracker:
                 break
         if threading.get_ident() == self._record_thread:
             seq = self._next_sequence_nr()
-            if module is not None and (module._backward_hooks or module._backward_pre_hooks):
+            if module is not None and (
+                module._backward_hooks or module._backward_pre_hooks or self._global_backward_hooks or self._global_backward_pre_hooks
+            ):
                 seq += self._output_hook_node(module, output)
             self.bound_seqs.append(seq)
             self.bound_modules.append(stack[-1] if stack else None)
@@ -643,8 +648,15 @@ class _ModuleTracker:
         (``BackwardHookFunctionBackward``, made after every forward hook): the module's own, as is the one
         on its inputs; else 0."""
         import torch
+        from torch.nn.modules import module as torch_module
 
-        if not (module._backward_pre_hooks or getattr(module, "_is_full_backward_hook", None)):
+        # as torch's _call_impl decides: full backward hooks, the module's own or every module's, or pre-hooks
+        if not (
+            module._backward_pre_hooks
+            or getattr(torch_module, "_global_backward_pre_hooks", None)
+            or (getattr(module, "_is_full_backward_hook", None) and module._backward_hooks)
+            or (getattr(torch_module, "_global_is_full_backward_hook", None) and getattr(torch_module, "_global_backward_hooks", None))
+        ):
             return 0
         tensors = output if isinstance(output, tuple) else (output,)
         requires_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
