@@ -702,6 +702,47 @@ def test_replay_gives_no_verdict_where_a_users_hook_changes_the_gradients():
     assert not [n for n in result.nodes if n.replay and n.replay.reproducible is False]
 
 
+class _OffloadOnce(torch.autograd.graph.saved_tensors_hooks):
+    """Activation offloading as torchtune's: each saved tensor stashed when packed, released when unpacked (once
+    per saved tensor, as the engine unpacks it)."""
+
+    def __init__(self):
+        self.stash = {}
+
+        def pack(tensor):
+            key = len(self.stash) + 1000 * id(self)
+            self.stash[key] = tensor.detach().clone()
+            return key
+
+        def unpack(key):
+            return self.stash.pop(key)  # freed once backward has used it
+
+        super().__init__(pack, unpack)
+
+
+def test_replay_gives_no_verdict_where_the_users_saved_tensor_hooks_refuse_a_second_unpack():
+    """A built-in node whose saved tensors a hook of the user's released once unpacked cannot run again: no
+    verdict (not a finding of hidden state), and the rest is judged as usual."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 1)
+
+        def forward(self, x):
+            with _OffloadOnce():
+                h = torch.tanh(self.fc1(x))
+            return self.fc2(h.sigmoid())
+
+    torch.manual_seed(0)
+    result = trace(Net(), torch.randn(4, 8), replay=True)
+    (tanh,) = result.find("TanhBackward0")
+    assert tanh.replay.reproducible is None and "saved-tensor hook" in tanh.replay.note, tanh.replay
+    assert not [n for n in result.nodes if n.replay and n.replay.reproducible is False]
+    (sigmoid,) = result.find("SigmoidBackward0")  # saved outside the hooks: replayed and judged
+    assert sigmoid.replay.reproducible is True
+
+
 def test_replay_flags_a_stateful_backward():
     result = sample_trace("stateful_backward", replay=True)
     (node,) = result.find("DecayingGradBackward")

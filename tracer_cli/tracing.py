@@ -2296,6 +2296,10 @@ class _TraceSession:
             if type(exc).__name__ == "CheckpointError" or "already unpacked once" in message_of(exc):
                 # a non-reentrant checkpoint recomputes what its nodes saved once per backward: no verdict either
                 return (None, None, "could not run again, its saved tensors are a checkpoint's, recomputed once per backward: not replayed")
+            if not isinstance(node, self._custom_type) and _raised_in_users_code(exc):
+                # a built-in node runs no Python of the user's but saved-tensor hooks (unpacking): one that releases
+                # what it stashed once unpacked (activation offloading) refuses a second run, which says nothing of it
+                return (None, None, f"could not run again, a saved-tensor hook of yours refused ({first_line(exc, 120)}): not replayed")
             return (None, None, f"could not run again: {first_line(exc, 200)}")
         finally:
             self._replaying = False
@@ -3026,6 +3030,17 @@ def _materialized(node: Any, grad_outputs: tuple, outputs: tuple | None) -> tupl
         torch.zeros(shape, dtype=dtype, device=device) if grad is None and shape is not None else grad
         for grad, (shape, dtype, device) in zip(grad_outputs, outputs)
     )
+
+
+def _raised_in_users_code(exc: BaseException) -> bool:
+    """Whether Python code of the user's (not torch's nor gradtrace's) ran below the frame that caught ``exc``."""
+    skip = _library_prefixes()
+    below = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    while below is not None:
+        if not below.tb_frame.f_code.co_filename.startswith(skip):
+            return True
+        below = below.tb_next
+    return False
 
 
 def _replay_record(pending: tuple | None, norms: list[float | None]) -> Replay | None:
