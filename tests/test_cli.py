@@ -1318,3 +1318,32 @@ def test_an_exception_whose_str_raises_is_the_models_error_not_gradtraces(runner
         assert "Unprintable: <exception str() failed>" in result.stderr
         assert "internal error" not in result.stderr
 
+
+
+@pytest.mark.filterwarnings("ignore:Error detected in")  # torch anomaly mode's own
+def test_anomaly_detection_left_on_by_a_model_file_gets_a_hint(runner, tmp_path):
+    """A model file that turns anomaly detection on (left from earlier debugging): torch stops backward at the
+    first NaN with its own error. The error says why, and what to do."""
+    model = write_model(
+        tmp_path,
+        """
+        import torch
+        torch.autograd.set_detect_anomaly(True)
+
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(3, 3)
+
+            def forward(self, x):
+                return torch.sqrt(self.fc(x) - 100.0).sum()
+
+        model = Model()
+        def example_inputs():
+            return torch.randn(2, 3)
+        """,
+    )
+    result = invoke(runner, "run", str(model))
+    assert result.exit_code == 3, result.output
+    assert "returned nan values" in result.output and "anomaly detection is on" in result.output
+    assert not torch.is_anomaly_enabled()  # put back after the target

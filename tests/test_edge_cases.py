@@ -1727,10 +1727,9 @@ def test_a_trace_function_set_in_forward_stays_set():
     user code (the debugger's calls after it would be missed) nor removed at the end of forward."""
     calls = []
 
-    def debugger(frame, event, arg):
+    def debugger(frame, event, arg):  # (no local trace function: None)
         if event == "call":
             calls.append(frame.f_code.co_name)
-        return None
 
     class Model(nn.Module):
         def __init__(self):
@@ -1749,3 +1748,13 @@ def test_a_trace_function_set_in_forward_stays_set():
         sys.settrace(None)
     assert "_passes" in calls
     assert result.find("AddmmBackward0")
+
+
+def test_a_model_built_under_inference_mode_is_told_so():
+    """Parameters made under inference_mode() cannot take part in autograd: the hint names them, not the inputs."""
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    with pytest.raises(UserCodeError) as raised:
+        trace(model, torch.randn(2, 3))
+    assert "Inference tensors" in str(raised.value)
+    assert "0.weight, 0.bias, 1.weight and 1 more were made under torch.inference_mode()" in raised.value.hint

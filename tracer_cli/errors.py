@@ -91,6 +91,11 @@ class UserCodeError(ModelError):
                 "under torchrun gradtrace creates the process group before it imports your file: create yours only "
                 "if not torch.distributed.is_initialized()"
             )
+        if hint is None and "returned nan values" in message_of(exc):
+            hint = (
+                "anomaly detection is on (torch.autograd.set_detect_anomaly(True) or detect_anomaly() in your code): it "
+                "stops backward at the first NaN, before gradtrace can show where it starts; turn it off for the trace"
+            )
         super().__init__(f"{phase} raised {summary}", hint)
         self.phase = phase
         self.original = exc

@@ -3293,7 +3293,7 @@ def trace(
                     output = model(*args, **kwargs)
             except USER_CODE_ERRORS as exc:
                 phase = "the model's forward" + _failing_module(exc, modules)
-                hint = None if isinstance(exc, SystemExit) else _input_hint(input_infos, exc, input_grad)
+                hint = None if isinstance(exc, SystemExit) else _inference_hint(leaves, exc) or _input_hint(input_infos, exc, input_grad)
                 raise UserCodeError(phase, exc, hint=hint) from exc
             loss, loss_rule = compute_loss(output, loss_fn, loss_reduction)
         tracker.stop_recording()
@@ -3456,6 +3456,18 @@ _INPUT_GRAD_ERRORS = (
 )
 
 
+def _inference_hint(leaves: dict[int, _Leaf], exc: BaseException) -> str | None:
+    """Where forward refused inference tensors and some parameters are such (made under inference_mode())."""
+    if "Inference tensors" not in message_of(exc):
+        return None
+    made = [leaf.name for leaf in leaves.values() if leaf.tensor.is_inference()]
+    if not made:
+        return None
+    names = ", ".join(made[:3]) + (f" and {len(made) - 3} more" if len(made) > 3 else "")
+    which = f"the parameter {names} was" if len(made) == 1 else f"the parameters {names} were"
+    return f"{which} made under torch.inference_mode(), so autograd cannot use them: build the model outside it"
+
+
 def _input_hint(infos: list[InputInfo], exc: BaseException, input_grad: bool) -> str | None:
     if input_grad and infos and any(message in message_of(exc) for message in _INPUT_GRAD_ERRORS):
         return (
@@ -3473,4 +3485,4 @@ def _input_hint(infos: list[InputInfo], exc: BaseException, input_grad: bool) ->
 _INPUT_ERROR_TYPES = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AssertionError)
 
 
-_TRACE_CODE = trace.__wrapped__.__code__
+_TRACE_CODE = inspect.unwrap(trace).__code__
