@@ -1758,3 +1758,23 @@ def test_a_model_built_under_inference_mode_is_told_so():
         trace(model, torch.randn(2, 3))
     assert "Inference tensors" in str(raised.value)
     assert "0.weight, 0.bias, 1.weight and 1 more were made under torch.inference_mode()" in raised.value.hint
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+@pytest.mark.parametrize("scripted", ["whole", "part"])
+def test_a_torchscript_model_s_batchnorm_statistics_are_put_back(scripted):
+    """A TorchScript module (all of the model, or one block of it) in train mode: its running statistics are
+    put back after the trace, as an eager module's are (its buffer mapping is TorchScript's own)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4)))
+    if scripted == "whole":
+        model = torch.jit.script(model)
+    else:
+        model[3] = torch.jit.script(model[3])
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    result = trace(model.train(), torch.randn(2, 3, 8, 8))
+    assert len(result.param_grads) == 8
+    after = dict(model.named_buffers())
+    assert before.keys() == after.keys() and len(before) == 6
+    for name, buffer in before.items():
+        assert torch.equal(after[name], buffer), name

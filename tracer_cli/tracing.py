@@ -257,8 +257,9 @@ def _restore_buffers(saved: list[tuple[Any, str, Any, Any]]) -> None:
     with torch.no_grad():
         for module, name, buffer, copy in saved:
             try:
-                if module._buffers.get(name) is not buffer:
-                    module._buffers[name] = buffer
+                buffers = module._buffers  # (a TorchScript module's is a mapping without get())
+                if (buffers[name] if name in buffers else None) is not buffer:
+                    buffers[name] = buffer
                 # every buffer copied back, not only those that differ: the version counter cannot tell
                 # (batch_norm updates its running statistics in place without bumping it), and a comparison
                 # reads a GPU's answer back, a synchronisation per buffer. On the CPU, after a forward in train
