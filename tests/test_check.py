@@ -614,11 +614,13 @@ def test_annotations_of_targets_that_fail_name_the_line_that_raised(runner, tmp_
 def test_annotation_file_only_for_a_file_of_the_checkout(tmp_path):
     """file= and line= where the source is a file inside the workspace; never for code with no file."""
     inside, outside = tmp_path / "repo" / "model.py", tmp_path / "lib" / "layers.py"
-    sources = [f"{inside}:7", f"{outside}:9", "<string>:3", None, "model.py"]  # the last without a line
+    # a library installed in a virtual environment made inside the checkout (a common CI setup) is no file of it
+    installed = tmp_path / "repo" / ".venv" / "lib" / "python3.11" / "site-packages" / "timm" / "layers.py"
+    sources = [f"{inside}:7", f"{outside}:9", "<string>:3", None, "model.py", f"{installed}:18"]  # "model.py": no line
     findings = tuple(Finding("nonfinite", "nan", node=i, name="SqrtBackward0", source=s) for i, s in enumerate(sources))
     report = TargetReport("t", checks=("nonfinite",), findings=findings, policy=CheckPolicy.build(["nonfinite"]))
     lines = annotations([report], workspace=str(tmp_path / "repo"))
-    assert [line.split("::")[1] for line in lines] == ["error file=model.py,line=7"] + ["error "] * 4
+    assert [line.split("::")[1] for line in lines] == ["error file=model.py,line=7"] + ["error "] * 5
     assert all(f"(created at {s})" in line for line, s in zip(lines, sources) if s)
     (tmp_path / "repo").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "repo")  # a self-hosted runner's workspace may be a link

@@ -9,6 +9,7 @@ its line) when ``GITHUB_ACTIONS=true``.
 from __future__ import annotations
 
 import os
+import re
 from typing import Mapping, Sequence
 
 from ..checks import TargetReport, split_source
@@ -51,11 +52,15 @@ def annotations(reports: Sequence[TargetReport], workspace: str | None = None) -
     return lines
 
 
+_INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
+
+
 def _in_checkout(path: str, workspace: str | None) -> str | None:
     """``path`` (absolute, or relative to the working folder) relative to ``workspace``; None where it lies
-    outside it (a library's file, which GitHub cannot show) or is no file (``<string>``). Without a
-    workspace, ``path`` as it is."""
-    if path.startswith("<"):
+    outside it (a library's file, which GitHub cannot show), in an installed package (a virtual environment
+    made inside the checkout: ``.venv/lib/python3.11/site-packages/...``, not the repository's) or is no file
+    (``<string>``). Without a workspace, ``path`` as it is."""
+    if path.startswith("<") or _INSTALLED.search(path):
         return None
     if not workspace:
         return path
