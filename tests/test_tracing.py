@@ -388,6 +388,49 @@ def test_torch_compile_region_is_one_node_and_stays_whole():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("where", ["root", "block"])
+def test_a_module_compiled_in_place_is_one_region_and_stays_compiled(where):
+    """``module.compile()`` (in place: no wrapper) traced before its first step: the trace shows its region, and
+    no hook of gradtrace's is compiled into it, so the user's later steps run it compiled, without graph breaks
+    nor more than the one recompile any compiled module makes after a first trace (the README says so); gradtrace's
+    hooks inside it broke its graph, and used up its recompile limit: it ran uncompiled from then on."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+    model = nn.Sequential(block, nn.Tanh(), nn.Linear(8, 2))
+    (model if where == "root" else block).compile(backend="aot_eager")
+    x = torch.randn(3, 4)
+    result = trace(model, x)
+    (region,) = result.find("CompiledFunctionBackward")
+    assert region.module == ("" if where == "root" else "0")
+    if where == "block":
+        assert [n.module for n in result.find("TanhBackward0")] == ["1"]
+    assert not counters["graph_break"]
+    graphs = []
+    for _ in range(3):  # the user's own steps: compiled, one region each
+        loss = model(x).sum()
+        assert "CompiledFunctionBackward" in {node.name() for node in _graph(loss)}
+        loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    # compiled once more for the user's first step (the trace's ran under gradtrace's mode), and then no more
+    assert not counters["graph_break"] and graphs == [2, 2, 2]
+    assert "_compiled_call_impl" in (model if where == "root" else block).__dict__
+    torch._dynamo.reset()
+
+
+def _graph(loss):
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return seen
+
+
 def test_a_compiled_region_is_neither_replayed_nor_gradchecked():
     """Its backward frees what it saved as it runs: running it again fails, which says nothing of the model."""
     torch.manual_seed(0)

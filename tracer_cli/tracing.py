@@ -341,6 +341,7 @@ class _ModuleTracker:
         self._local = threading.local()
         self._handles: list[Any] = []
         self._direct: list[tuple[Any, bool]] = []  # (module, whether it held _compiled_call_impl = None) (see _call_directly)
+        self._wrapped_compiled: list[tuple[Any, Any]] = []  # (module, its own _compiled_call_impl) (see _wrap_compiled)
         self._record_thread: int | None = None
         self.compiled = False  # whether the model holds a torch.compile'd module
         self.scripted_root = False  # whether the model itself is a TorchScript module (no hooks: see root_call)
@@ -384,13 +385,20 @@ class _ModuleTracker:
             name for name, module in self._modules
             if isinstance(module._modules, dict) and isinstance(module._modules.get("_orig_mod"), nn.Module)
         ]
-        holds_compiled = bool(compiled)  # torch warns of global module hooks around a compiled module
-        if compiled and _compile_disabled():  # the compiled modules run their originals, eagerly: hooked as any
-            compiled = []
+        # compiled in place (module.compile()): its _call_impl, hooks and global hooks included, is what dynamo
+        # compiles, so no hook goes on it or inside it; its call is wrapped from outside instead (_wrap_compiled)
+        in_place = [(name, module) for name, module in self._modules if getattr(module, "__dict__", {}).get("_compiled_call_impl") is not None]
+        holds_compiled = bool(compiled or in_place)  # torch warns of global module hooks around a compiled module
+        if holds_compiled and _compile_disabled():  # the compiled modules run their originals, eagerly: hooked as any
+            compiled, in_place = [], []
+        compiled += [name for name, _ in in_place]
         self.compiled = bool(compiled)
+        for name, module in in_place:
+            self._wrap_compiled(name, module)
+        wrapped = {id(module) for _, module in in_place}
         hooked = []
         for name, module in self._modules:
-            if compiled and any(_is_descendant(name, prefix) for prefix in compiled):
+            if compiled and (id(module) in wrapped or any(_is_descendant(name, prefix) for prefix in compiled)):
                 continue
             if isinstance(module, torch.jit.ScriptModule):
                 self.scripted_root = self.scripted_root or name == ""
@@ -456,6 +464,24 @@ class _ModuleTracker:
         if with_kwargs:  # its handle leaves its id in this dict (torch 2.14): taken out in remove()
             self._with_kwargs_ids.append(handle.id)
         self._call_directly(hooked, opaque)
+
+    def _wrap_compiled(self, name: str, module: Any) -> None:
+        """A module compiled in place: its boundaries marked around the call of its compiled ``_call_impl``, which
+        torch's ``_wrapped_call_impl`` makes through ``_compiled_call_impl`` (put back in :meth:`remove`)."""
+        compiled_call = module.__dict__["_compiled_call_impl"]
+        enter, exit_ = self._enter, self._exit
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            enter(name, module, args)
+            output = None
+            try:
+                output = compiled_call(*args, **kwargs)
+                return output
+            finally:
+                exit_(name, module, (*args, kwargs) if kwargs else args, output)
+
+        module.__dict__["_compiled_call_impl"] = call
+        self._wrapped_compiled.append((module, compiled_call))
 
     def _call_directly(self, hooked: list[tuple[str, Any]], opaque: set[int]) -> None:
         """Where the global hooks above are the only module hooks in the process, each module is called
@@ -699,6 +725,9 @@ class _ModuleTracker:
             else:
                 module.__dict__.pop("_compiled_call_impl", None)
         self._direct.clear()
+        for module, compiled_call in self._wrapped_compiled:
+            module.__dict__["_compiled_call_impl"] = compiled_call
+        self._wrapped_compiled.clear()
 
 
 def _opaque_modules(modules: list[tuple[str, Any]]) -> set[int]:
