@@ -61,6 +61,23 @@ def test_nan_in_backward_and_forgotten_layer_fail():
     assert_gradients_healthy(model, (x,), warn_on="nograd")  # demoted: passes
 
 
+def test_a_nan_forward_made_is_placed_where_forward_made_it():
+    """A NaN weight in the middle of the model: the loss is NaN, and every gradient after it. The message names the
+    module whose forward made it first (the CLI's way: the step traced again with forward values), not nodes that
+    merely passed the NaN on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[2].weight[3, 5] = float("nan")
+    x = torch.randn(2, 4)
+    with pytest.raises(AssertionError) as failed:
+        assert_gradients_healthy(model, x)
+    message = str(failed.value)
+    assert "forward made a nan first" in message and "2.weight" in message, message
+    assert "grad_in nan" not in message, message  # no node is said to have made it in backward
+    assert torch.equal(x, x.clone()) and model.training  # (the model as it was)
+
+
 def test_thresholds_loss_fn_and_fail_on():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))

@@ -11,6 +11,7 @@ table, naming the node, module and parameter (e.g. ``SqrtBackward0`` in module `
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import numbers
@@ -97,14 +98,40 @@ def assert_gradients_healthy(
         if unmet is not None:
             raise ValueError(f"{keyword} names {unmet!r}, which runs only with {unmet}=True")
     policy = CheckPolicy.build(CHECK_DEFAULT_FAILING, fail_on=fail_on, warn_on=warn_on, thresholds=thresholds)
-    result = trace(
-        model, args, kwargs, loss_fn=loss_fn, loss_reduction=loss_reduction, input_grad=input_grad, train=train,
+    step = functools.partial(
+        trace, model, args, kwargs, loss_fn=loss_fn, loss_reduction=loss_reduction, input_grad=input_grad, train=train,
         gradcheck=gradcheck, replay=replay,
     )
+    result = _where_forward_made_it(step)
     report = check_traces([result], policy, target=result.meta.target)
     if report.failures:
         raise AssertionError(format_report(report))
     return result
+
+
+def _where_forward_made_it(step: Callable[..., Trace]) -> Trace:
+    """``step()``; where its loss is NaN or infinite (forward made it), the same step again with forward values,
+    which tell where, as ``gradtrace check`` does: from the same random state (dropout draws the same masks) and
+    the same inputs (put back where forward changed them). The first trace stands where forward does not repeat
+    itself (the second loss is finite)."""
+    import torch
+
+    from .inputs import InputSnapshot, tensors_in
+
+    args, kwargs = step.args[1], step.args[2] or {}
+    inputs = InputSnapshot(args if isinstance(args, tuple) else (args,), kwargs)
+    tensors = tensors_in((args, kwargs), torch.Tensor)
+    if isinstance(step.args[0], torch.nn.Module):
+        tensors += list(step.args[0].parameters())
+    devices = sorted({tensor.device.index or 0 for tensor in tensors if tensor.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        result = step()
+    loss = result.meta.loss
+    if loss is None or math.isfinite(loss):
+        return result
+    inputs.restore()
+    again = step(forward_stats=True)
+    return again if again.meta.loss is not None and not math.isfinite(again.meta.loss) else result
 
 
 def format_report(report: TargetReport, width: int = _MESSAGE_WIDTH) -> str:
