@@ -1778,3 +1778,42 @@ def test_a_torchscript_model_s_batchnorm_statistics_are_put_back(scripted):
     assert before.keys() == after.keys() and len(before) == 6
     for name, buffer in before.items():
         assert torch.equal(after[name], buffer), name
+
+
+def test_a_loss_that_needs_no_grad_while_parameters_do_says_what_may_cut_them_off():
+    """Trainable parameters that do not reach the loss (a reentrant checkpoint whose inputs need no grad, as a
+    fine-tuned model with frozen embeddings has): the hint counts them and names the usual causes."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(3, 4).requires_grad_(False)
+            self.block = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return checkpoint(self.block, self.embed(x), use_reentrant=True).sum()
+
+    with pytest.warns(UserWarning, match="requires_grad=True"), pytest.raises(ModelError) as raised:
+        trace(Model(), torch.randn(2, 3), input_grad=False)
+    assert "does not require grad" in str(raised.value)
+    assert raised.value.hint.startswith("2 parameters require grad but none reached the loss")
+    assert "use_reentrant" in raised.value.hint
+
+
+def test_mistakes_in_a_loss_fn_get_hints_about_the_loss_fn():
+    """A loss_fn that returns an unreduced loss is told to reduce it (not to define a loss_fn); one that runs
+    backward itself is told to return the loss."""
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    with pytest.raises(ModelError) as raised:
+        trace(model, x, loss_fn=lambda out: out.pow(2))
+    assert raised.value.hint == "reduce it in loss_fn (e.g. with .mean())"
+
+    def runs_backward(out):
+        loss = out.sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(UserCodeError) as raised:
+        trace(model, x, loss_fn=runs_backward)
+    assert "return the loss instead" in raised.value.hint
+    assert model.weight.grad is None  # as it was

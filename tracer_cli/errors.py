@@ -91,6 +91,11 @@ class UserCodeError(ModelError):
                 "under torchrun gradtrace creates the process group before it imports your file: create yours only "
                 "if not torch.distributed.is_initialized()"
             )
+        if hint is None and phase == "backward" and "backward through the graph a second time" in message_of(exc):
+            hint = (
+                "where your loss_fn or forward calls .backward() itself, return the loss instead: gradtrace runs "
+                "backward (and a step of yours that does so is traced without its own backward)"
+            )
         if hint is None and "returned nan values" in message_of(exc):
             hint = (
                 "anomaly detection is on (torch.autograd.set_detect_anomaly(True) or detect_anomaly() in your code): it "

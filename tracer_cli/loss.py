@@ -51,7 +51,8 @@ def _as_scalar(loss: Any, source: str) -> Any:
     if loss.numel() != 1:
         raise ModelError(
             f"{source} has shape {tuple(loss.shape)}; a loss must be a single value",
-            hint="return a single value, or define loss_fn(output) in the model file that reduces it (e.g. with .mean())",
+            hint="reduce it in loss_fn (e.g. with .mean())" if source == "loss_fn(output)"
+            else "return a single value, or define loss_fn(output) in the model file that reduces it (e.g. with .mean())",
         )
     return loss if loss.dim() == 0 else loss.sum()
 

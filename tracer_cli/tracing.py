@@ -3341,11 +3341,16 @@ def trace(
             )
         if loss.grad_fn is None:
             inputs_too = "" if input_grad else " (without --no-input-grad, or with trace(..., input_grad=True), floating inputs do)"
-            raise ModelError(
-                f"the loss ({loss_rule}) does not require grad: nothing to trace",
-                hint=f"check that parameters or inputs require grad{inputs_too} and that forward does not run under "
-                "torch.no_grad() or .detach() the output",
-            )
+            trainable = sum(leaf.tensor.requires_grad for leaf in leaves.values())
+            hint = f"check that parameters or inputs require grad{inputs_too} and that forward does not run under torch.no_grad() or .detach() the output"
+            if trainable:  # they do, and none reached the loss
+                hint = (
+                    f"{trainable} parameter{'s' if trainable != 1 else ''} require grad but none reached the loss: forward "
+                    "runs under torch.no_grad() or detaches, or a reentrant checkpoint (use_reentrant=True) got inputs "
+                    "that need no grad (Hugging Face: model.enable_input_require_grads(), or use_reentrant=False), or "
+                    "the trainable ones are not on the way (an adapter merged into its base)"
+                )
+            raise ModelError(f"the loss ({loss_rule}) does not require grad: nothing to trace", hint=hint)
         del output
         session.discover([loss.grad_fn])
         for node_id in session.leaf_ids:
