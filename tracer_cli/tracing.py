@@ -1934,7 +1934,7 @@ class _TraceSession:
                 self.backward_ids[node_id] = (nodes[node_id]._sequence_nr(), nodes[node_id].name())
         if self.forward_stats:
             self.flush_forward()
-            with self._torch.no_grad(), _own_ops(self._torch):
+            with self._torch.no_grad():  # (the user's modes are set aside here already: trace(), discover_in_backward)
                 for node_id in range(start, len(nodes)):
                     node = nodes[node_id]
                     if type(node) is leaf_type:  # a leaf's forward value is the tensor itself
