@@ -1817,3 +1817,21 @@ def test_mistakes_in_a_loss_fn_get_hints_about_the_loss_fn():
         trace(model, x, loss_fn=runs_backward)
     assert "return the loss instead" in raised.value.hint
     assert model.weight.grad is None  # as it was
+
+
+def test_asking_for_the_leaf_of_a_frozen_or_unused_parameter_says_why_there_is_none():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen = nn.Linear(3, 3).requires_grad_(False)
+            self.used, self.unused = nn.Linear(3, 1), nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.used(self.frozen(x))
+
+    result = trace(Model(), torch.randn(2, 3))
+    assert result.leaf("used.weight").grad_norm > 0
+    with pytest.raises(KeyError, match="does not require grad"):
+        result.leaf("frozen.weight")
+    with pytest.raises(KeyError, match="requires grad but no op of this backward's graph used it"):
+        result.leaf("unused.weight")

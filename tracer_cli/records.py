@@ -513,10 +513,12 @@ class Trace:
         for node in self.nodes:
             if node.param == param:
                 return node
+        if param in self.params_without_grad:
+            raise KeyError(f"no leaf named {param!r}: it requires grad but no op of this backward's graph used it")
         names = [node.param for node in self.nodes if node.param is not None]
         raise KeyError(
-            f"no leaf named {param!r} (a parameter that several modules share is named once, by its first "
-            f"name); the leaves: {listed(names, 8) or 'none'}"
+            f"no leaf named {param!r} (a parameter that does not require grad, frozen, has none; one that several "
+            f"modules share is named once, by its first name); the leaves: {listed(names, 8) or 'none'}"
         )
 
     def parameter_grad_norms(self) -> dict[str, float]:
