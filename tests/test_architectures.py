@@ -272,6 +272,13 @@ def independent_run(model: nn.Module, args: tuple, kwargs: dict, loss_fn, seed: 
 
         torch.autograd.backward = recording_backward
         loss.backward()
+        # a leaf made in backward that is no parameter (a reentrant checkpoint's copy of its inputs) belongs to the
+        # module of the first node made in backward that uses it (by sequence number: the first op of the block)
+        for leaf in created:
+            if is_accumulate(leaf) and created_expected[id(leaf)] is None:
+                users = [n for n in created if any(f is leaf for f, _ in n.next_functions)]
+                if users:
+                    created_expected[id(leaf)] = created_expected[id(min(users, key=lambda n: n._sequence_nr()))]
         seconds = time.perf_counter() - started
     finally:
         torch.autograd.backward = original_backward

@@ -2549,9 +2549,10 @@ class _TraceSession:
                     grad_outputs[at(old)] = (stat(totals[old]),)
         created_in = column({old: None if creator is None else at(creator) for old, creator in self.created_in.items()})
         nexts = self.next if every else [tuple(None if n is None else at(n) for n in self.next[old]) for old in keep]
-        # a tensor made with requires_grad inside a module in forward (T5's position bias): the module of its first
-        # user (not a reentrant checkpoint's copies of its inputs, made in backward: they say where they come from)
-        unnamed = {position for position in leaves if params[position] is None and position not in backward}
+        # a tensor made with requires_grad inside a module in forward (T5's position bias), or a reentrant checkpoint's
+        # copy of its inputs, made in backward (which says where it comes from too: created_in): the module of its first
+        # user (the checkpointed block's first op)
+        unnamed = {position for position in leaves if params[position] is None}
         if unnamed:
             users: dict[int, int] = {}
             for position, children in enumerate(nexts):
