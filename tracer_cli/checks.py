@@ -181,7 +181,7 @@ def trace_findings(trace: Trace, thresholds: Thresholds | None = None) -> list[F
     findings += [
         Finding(
             "zero",
-            "gradient is exactly zero (a dead parameter)",
+            "gradient is exactly zero (a dead parameter, or one whose output meets only zeros: LoRA's A while B is 0)",
             node=node.id,
             name=node.name,
             module=node.module,
