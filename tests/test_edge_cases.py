@@ -1835,3 +1835,32 @@ def test_asking_for_the_leaf_of_a_frozen_or_unused_parameter_says_why_there_is_n
         result.leaf("frozen.weight")
     with pytest.raises(KeyError, match="requires grad but no op of this backward's graph used it"):
         result.leaf("unused.weight")
+
+
+def test_a_trace_nested_in_another_does_not_take_its_call_functions_for_compiled_modules():
+    """A loss_fn that traces the same model again (or another thread's trace of a model sharing a module): the
+    outer trace's call functions in the modules' _compiled_call_impl are not module.compile()'s, so the inner
+    trace neither wraps them nor records sites by the slower per-op mode; nothing is left in the modules after."""
+    from tracer_cli import tracing
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    compiled_seen = []
+    original = tracing._ModuleTracker.install
+
+    def install(self):
+        original(self)
+        compiled_seen.append(self.compiled)
+
+    def loss_fn(out):
+        inner = trace(model, torch.randn(2, 3))
+        assert [n.module for n in inner.find("TanhBackward0")] == ["1"]
+        return out.sum()
+
+    tracing._ModuleTracker.install = install
+    try:
+        trace(model, torch.randn(2, 3), loss_fn=loss_fn)
+    finally:
+        tracing._ModuleTracker.install = original
+    assert compiled_seen == [False, False]
+    assert all("_compiled_call_impl" not in m.__dict__ for m in model.modules())

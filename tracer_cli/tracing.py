@@ -387,7 +387,7 @@ class _ModuleTracker:
         ]
         # compiled in place (module.compile()): its _call_impl, hooks and global hooks included, is what dynamo
         # compiles, so no hook goes on it or inside it; its call is wrapped from outside instead (_wrap_compiled)
-        in_place = [(name, module) for name, module in self._modules if getattr(module, "__dict__", {}).get("_compiled_call_impl") is not None]
+        in_place = [(name, module) for name, module in self._modules if _compiled_in_place(module)]
         holds_compiled = bool(compiled or in_place)  # torch warns of global module hooks around a compiled module
         if holds_compiled and _compile_disabled():  # the compiled modules run their originals, eagerly: hooked as any
             compiled, in_place = [], []
@@ -480,7 +480,7 @@ class _ModuleTracker:
             finally:
                 exit_(name, module, (*args, kwargs) if kwargs else args, output)
 
-        module.__dict__["_compiled_call_impl"] = call
+        module.__dict__["_compiled_call_impl"] = _OurCall(call)
         self._wrapped_compiled.append((module, compiled_call))
 
     def _call_directly(self, hooked: list[tuple[str, Any]], opaque: set[int]) -> None:
@@ -547,7 +547,7 @@ class _ModuleTracker:
             if type(module).__call__ is not wrapped or state.get("_compiled_call_impl") is not None:
                 continue
             self._direct.append((module, "_compiled_call_impl" in state))  # (and then None)
-            state["_compiled_call_impl"] = direct(name, module, id(module) in opaque)
+            state["_compiled_call_impl"] = _OurCall(direct(name, module, id(module) in opaque))
 
     # _enter and _exit run on every module call: _mark() inlined, and _stack() in _enter (a Python call
     # each costs, more so while creation sites are traced)
@@ -728,6 +728,19 @@ class _ModuleTracker:
         for module, compiled_call in self._wrapped_compiled:
             module.__dict__["_compiled_call_impl"] = compiled_call
         self._wrapped_compiled.clear()
+
+
+class _OurCall(functools.partial):
+    """A module's call function put in its ``_compiled_call_impl`` by a trace (this one's, or another thread's):
+    told from one that ``module.compile()`` put there."""
+
+    __slots__ = ()
+
+
+def _compiled_in_place(module: Any) -> bool:
+    """Whether ``module.compile()`` put a compiled call in the module (not a trace's call function, nor None)."""
+    call = getattr(module, "__dict__", {}).get("_compiled_call_impl")
+    return call is not None and not isinstance(call, _OurCall)
 
 
 def _opaque_modules(modules: list[tuple[str, Any]]) -> set[int]:
