@@ -887,8 +887,9 @@ def _process_state_kept() -> Iterator[None]:
     """Put back what a model file may change for the whole process: the working folder (``os.chdir`` to its own
     folder, a common idiom, moved where later targets and --json, --junit-xml and export paths were found)
     and torch's global modes (a default dtype, deterministic algorithms or anomaly mode set by one target of
-    ``check`` would apply to the next), and the module hooks it registered for every module (a NaN guard, a
-    logger: they would run on the next target's model). Meanwhile ``os._exit()`` in this process raises SystemExit, as
+    ``check`` would apply to the next). Module hooks a file registers for every module stay, as its imports
+    do: a helper module two targets import is imported once, and its hooks would be gone for the second.
+    Meanwhile ``os._exit()`` in this process raises SystemExit, as
     ``sys.exit()`` does: it would end gradtrace at once, with the model's status (0: a green CI job) and
     no report; a forked child (a DataLoader worker) still exits."""
     import os
@@ -909,9 +910,6 @@ def _process_state_kept() -> Iterator[None]:
     dtype = torch.get_default_dtype()
     deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-    module_globals = vars(torch.nn.modules.module)
-    global_hooks = {name: dict(hooks) for name, hooks in module_globals.items() if name.startswith("_global_") and isinstance(hooks, dict)}
-    full_backward = module_globals.get("_global_is_full_backward_hook")
     os._exit = exit_in_model
     try:
         yield
@@ -927,12 +925,6 @@ def _process_state_kept() -> Iterator[None]:
             torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
         if (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) != anomaly:
             torch.set_anomaly_enabled(*anomaly)
-        for name, hooks in global_hooks.items():
-            if module_globals[name] != hooks:
-                module_globals[name].clear()
-                module_globals[name].update(hooks)
-        if "_global_is_full_backward_hook" in module_globals:
-            module_globals["_global_is_full_backward_hook"] = full_backward
 
 
 @contextlib.contextmanager
