@@ -1060,6 +1060,8 @@ def _forward_mode_class() -> type:
     except ImportError:  # torch < 2.3: dynamo's own (it is special-cased there)
         from torch._dynamo.external_utils import is_compiling
 
+    function_modes, dispatch_modes = torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack
+
     class _ForwardMode(TorchFunctionMode):
         """Per op in forward: the creation site of the nodes it makes, and (optionally) its output's norm."""
 
@@ -1100,7 +1102,11 @@ def _forward_mode_class() -> type:
                     sites.starts += (first, after)
                     sites.sites += (site, None)
             if session.forward_stats:
-                session.record_forward(output)
+                if function_modes() or dispatch_modes():  # the user's, below this one: set aside (_modes_set_aside)
+                    with _modes_set_aside(torch):
+                        session.record_forward(output)
+                else:
+                    session.record_forward(output)
                 if writes == _WRITES_FIRST and args and isinstance(args[0], torch.Tensor):
                     # an in-place op (h[0, 3] = x returns None): the tensor it changed, and the tensor a changed
                     # view belongs to, whose node (CopySlices) the ops after it use
@@ -1109,7 +1115,7 @@ def _forward_mode_class() -> type:
                         base = changed._base
                     except Exception:  # noqa: BLE001 - a tensor subclass without one: never break the user's forward
                         base = None
-                    session.record_forward(changed if base is None else (changed, base))
+                    session.record_output(changed if base is None else (changed, base))
             return output
 
     return _ForwardMode
@@ -1959,7 +1965,6 @@ class _TraceSession:
                         if recorded is not None:
                             self.forward_slots[node_id] = recorded[1]
 
-    @_out_of_user_modes
     def record_forward(self, output: Any) -> None:
         """Queue the norm of an op's output tensors under the node that produced them.
 
@@ -1994,6 +1999,9 @@ class _TraceSession:
                     self.forward_values[key] = (grad_fn, slot)
         except Exception:  # never break the user's forward; report after it
             self.errors.append((RECORDING_FORWARD, traceback.format_exc()))
+
+    # the same, with the user's modes set aside, for a custom Function's output (_ForwardMode asks for itself, per op)
+    record_output = _out_of_user_modes(record_forward)
 
     @_out_of_user_modes
     def flush_forward(self) -> None:
@@ -3333,7 +3341,7 @@ def trace(
                 from .gradcheck import recording_calls
 
                 calls = session.custom_calls if gradcheck or replay else None
-                on_output = session.record_forward if forward_stats else None  # a custom Function's output
+                on_output = session.record_output if forward_stats else None  # a custom Function's output
                 forward_context.enter_context(recording_calls(calls, keep_args=gradcheck, sites=session.sites, on_output=on_output))
             try:
                 with tracker.root_call():
