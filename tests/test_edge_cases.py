@@ -1617,9 +1617,25 @@ class _CallLog(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _DoublesInForward(nn.Module):
+    def forward(self, x):
+        return _Doubled.apply(x)
+
+
 def _guarded_step_model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 300), nn.Tanh(), nn.Linear(300, 80), nn.ReLU(), nn.Linear(80, 1))  # large grads and small
+    # large gradients and small, and a custom Function (recorded for --replay and --gradcheck)
+    return nn.Sequential(nn.Linear(8, 300), nn.Tanh(), nn.Linear(300, 80), _DoublesInForward(), nn.ReLU(), nn.Linear(80, 1))
 
 
 @pytest.mark.parametrize("forward_stats", [False, True])

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 from .errors import first_line
 from .records import Gradcheck
-from .tracing import _PerThread, _tensors_in
+from .tracing import _own_ops, _PerThread, _tensors_in
 
 # Functions of PyTorch's own machinery: their "backward" is autograd itself (a checkpoint), code torch.compile
 # generated from autograd's (a compiled region, whose backward also runs only once), or an identity that calls a
@@ -104,14 +104,15 @@ def recording_calls(
             on_output(output)
         if calls is None:
             return output
-        tensors = _tensors_in(output, torch.Tensor)
-        for tensor in tensors:
-            if tensor.grad_fn is not None:
-                mask = tuple(isinstance(a, torch.Tensor) for a in args)
-                kept = (args, kwargs) if keep_args else (None, None)
-                outputs = tuple((t.shape, t.dtype, t.device) for t in tensors)
-                calls[id(tensor.grad_fn)] = (tensor.grad_fn, cls, *kept, mask, outputs)
-                break
+        with _own_ops(torch):  # (reads of the output's attributes, out of sight of the user's modes)
+            tensors = _tensors_in(output, torch.Tensor)
+            for tensor in tensors:
+                if tensor.grad_fn is not None:
+                    mask = tuple(isinstance(a, torch.Tensor) for a in args)
+                    kept = (args, kwargs) if keep_args else (None, None)
+                    outputs = tuple((t.shape, t.dtype, t.device) for t in tensors)
+                    calls[id(tensor.grad_fn)] = (tensor.grad_fn, cls, *kept, mask, outputs)
+                    break
         return output
 
     with _APPLY.handling(apply) as outer:
