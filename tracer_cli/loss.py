@@ -48,13 +48,17 @@ def _as_scalar(loss: Any, source: str) -> Any:
             f"{source} is {a_or_an(type(loss).__name__)}, not a tensor",
             hint="return a scalar tensor from loss_fn, or let gradtrace reduce the output",
         )
-    if loss.numel() != 1:
+    from .tracing import _own_ops
+
+    with _own_ops(torch):  # (gradtrace's look at the loss: out of sight of the user's modes)
+        size, dims = loss.numel(), loss.dim()
+    if size != 1:
         raise ModelError(
             f"{source} has shape {tuple(loss.shape)}; a loss must be a single value",
             hint="reduce it in loss_fn (e.g. with .mean())" if source == "loss_fn(output)"
             else "return a single value, or define loss_fn(output) in the model file that reduces it (e.g. with .mean())",
         )
-    return loss if loss.dim() == 0 else loss.sum()
+    return loss if dims == 0 else loss.sum()
 
 
 def compute_loss(

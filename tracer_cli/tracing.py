@@ -686,7 +686,8 @@ class _ModuleTracker:
         ):
             return 0
         tensors = output if isinstance(output, tuple) else (output,)
-        requires_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+        with _own_ops(torch):  # (attribute reads: out of sight of the user's modes)
+            requires_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
         return int(requires_grad and torch.is_grad_enabled())
 
     @contextlib.contextmanager
