@@ -1879,3 +1879,29 @@ def test_a_trace_nested_in_another_does_not_take_its_call_functions_for_compiled
         tracing._ModuleTracker.install = original
     assert compiled_seen == [False, False]
     assert all("_compiled_call_impl" not in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("options", [{"forward_stats": True}, {"stacks": True}], ids=["forward-values", "stacks"])
+def test_a_mode_the_forward_leaves_active_stays_and_gradtraces_own_is_gone(options):
+    """A forward that enters a function mode and leaves it active (as a plain step would): after the trace the
+    user's mode is on the stack, as after a plain step, and gradtrace's own per-op mode is not."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 1)
+
+        def forward(self, x):
+            self.log = _CallLog()
+            self.log.__enter__()
+            return self.fc(x)
+
+    model = Model()
+    try:
+        result = trace(model, torch.randn(2, 3), **options)
+        assert [type(mode) for mode in _get_current_function_mode_stack()] == [_CallLog]
+    finally:
+        while torch._C._len_torch_function_stack():
+            torch._C._pop_torch_function_stack()
+    assert len(result.param_grads) == 2

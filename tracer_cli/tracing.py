@@ -1258,6 +1258,22 @@ def _user_modes() -> contextlib.AbstractContextManager:
     return stack[-1].user_code() if stack else _NO_CONTEXT
 
 
+@contextlib.contextmanager
+def _entered(mode: Any, torch: Any) -> Iterator[None]:
+    """gradtrace's TorchFunctionMode for forward, entered, and left however forward leaves the stack: a mode the
+    user's forward entered and left active stays, above what was below this one (leaving it by ``__exit__`` alone
+    would pop the user's, and leave gradtrace's on the stack)."""
+    mode.__enter__()
+    depth = torch._C._len_torch_function_stack()
+    try:
+        yield
+    finally:
+        above = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack() - depth)]
+        mode.__exit__(None, None, None)
+        for left in reversed(above):
+            torch._C._push_on_torch_function_stack(left)
+
+
 def _out_of_user_modes(method: Callable) -> Callable:
     """A session method that runs gradtrace's own tensor work: with the user's modes set aside (:func:`_own_ops`)."""
 
@@ -3335,7 +3351,7 @@ def trace(
             forward_context.enter_context(_user_modes())  # (first: gradtrace's own modes go on top of them)
             forward_context.enter_context(_renumbering_inner_backwards(session.renumbered))
             if forward_stats or (session.sites is not None and not by_lines):
-                forward_context.enter_context(_forward_mode_class()(session, None if by_lines else session.sites))
+                forward_context.enter_context(_entered(_forward_mode_class()(session, None if by_lines else session.sites), torch))
             if by_lines:
                 forward_context.enter_context(session.sites.tracing_lines(tracker))
             if gradcheck or replay or session.sites is not None or forward_stats:
