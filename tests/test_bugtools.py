@@ -1629,19 +1629,12 @@ def test_torchs_own_backward_hook_functions_are_not_gradchecked():
     assert any(n.name == "BackwardHookFunctionBackward" for n in result.nodes)
 
 
-class _SwishOffBy3Percent(torch.autograd.Function):
-    """swish, its backward 3% off in every element, up in some and down in others (the signs of sin(1000 x))."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * torch.sigmoid(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        s = torch.sigmoid(x)
-        return grad * s * (1 + x * (1 - s)) * (1 + 0.03 * torch.sign(torch.sin(1000 * x)))
+# swish, its backward 3% off in every element, up in some and down in others (the signs of sin(1000 x))
+_SwishOffBy3Percent = _elementwise_function(
+    "SwishOffBy3Percent",
+    lambda x: x * torch.sigmoid(x),
+    lambda x: torch.sigmoid(x) * (1 + x * (1 - torch.sigmoid(x))) * (1 + 0.03 * torch.sign(torch.sin(1000 * x))),
+)
 
 
 @pytest.mark.parametrize("seed", [29, 30, 60, 76])  # inputs where one random direction let it pass
